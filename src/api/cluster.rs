@@ -1,0 +1,98 @@
+//! `baton.v1.ClusterService`: who leads, and planned handover.
+
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, watch};
+use tonic::{Request, Response, Status};
+
+use crate::election::{self, Command, LeaderInfo, Role};
+use crate::proto::{self, cluster_service_server::ClusterService};
+use crate::store::{Keys, Store};
+
+#[derive(Clone)]
+pub struct ClusterApi {
+    store: Store,
+    keys: Keys,
+    replica_id: String,
+    role: watch::Receiver<Role>,
+    commands: mpsc::Sender<Command>,
+}
+
+impl ClusterApi {
+    pub fn new(
+        store: Store,
+        keys: Keys,
+        replica_id: String,
+        role: watch::Receiver<Role>,
+        commands: mpsc::Sender<Command>,
+    ) -> Self {
+        Self {
+            store,
+            keys,
+            replica_id,
+            role,
+            commands,
+        }
+    }
+}
+
+pub fn leader_to_proto(l: &LeaderInfo) -> proto::LeaderInfo {
+    proto::LeaderInfo {
+        replica_id: l.replica_id.clone(),
+        advertise: l.advertise.clone(),
+        term: l.term,
+        elected_at: l.elected_at.map(prost_types::Timestamp::from),
+        lease_id: l.lease_id,
+    }
+}
+
+#[tonic::async_trait]
+impl ClusterService for ClusterApi {
+    async fn get_leader(
+        &self,
+        _req: Request<proto::GetLeaderRequest>,
+    ) -> Result<Response<proto::GetLeaderResponse>, Status> {
+        let leader = election::current_leader(&self.store, &self.keys).await?;
+        let mine = self.role.borrow().term().map(|t| t.revision());
+        Ok(Response::new(proto::GetLeaderResponse {
+            answered_by_leader: mine == Some(leader.term),
+            leader: Some(leader_to_proto(&leader)),
+            answered_by: self.replica_id.clone(),
+        }))
+    }
+
+    async fn resign_leadership(
+        &self,
+        req: Request<proto::ResignLeadershipRequest>,
+    ) -> Result<Response<proto::ResignLeadershipResponse>, Status> {
+        if self.role.borrow().term().is_none() {
+            let hint = match election::current_leader(&self.store, &self.keys).await {
+                Ok(l) => format!("; the leader is {} at {}", l.replica_id, l.advertise),
+                Err(_) => String::new(),
+            };
+            return Err(Status::failed_precondition(format!(
+                "replica {} is not the leader{hint}",
+                self.replica_id
+            )));
+        }
+        let (reply, answer) = oneshot::channel();
+        let cmd = Command::Resign {
+            term: req.into_inner().term,
+            reply,
+        };
+        self.commands
+            .send(cmd)
+            .await
+            .map_err(|_| Status::unavailable("the replica is shutting down"))?;
+        let resigned = tokio::time::timeout(Duration::from_secs(30), answer)
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded("the leader did not finish stepping down within 30s")
+            })?
+            .map_err(|_| Status::unavailable("the replica is shutting down"))??;
+        Ok(Response::new(proto::ResignLeadershipResponse {
+            resigned_term: resigned,
+            replica_id: self.replica_id.clone(),
+        }))
+    }
+}

@@ -1,0 +1,54 @@
+//! The gRPC surface of a replica: `baton.v1` services, standard health and reflection.
+
+mod cluster;
+mod status;
+
+pub use cluster::ClusterApi;
+
+use std::net::SocketAddr;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Server;
+use tonic_health::server::HealthReporter;
+
+use crate::proto::cluster_service_server::ClusterServiceServer;
+
+/// Serves until `shutdown` fires, then drains in-flight calls.
+pub async fn serve(
+    listener: TcpListener,
+    cluster: ClusterApi,
+    shutdown: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    mark_serving(&health).await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .expect("the embedded descriptor sets are valid");
+    let local: Option<SocketAddr> = listener.local_addr().ok();
+    tracing::info!(listen = ?local, "gRPC API serving");
+    let done = shutdown.clone();
+    Server::builder()
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(ClusterServiceServer::new(cluster))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+            done.cancelled().await;
+            health
+                .set_service_status("", tonic_health::ServingStatus::NotServing)
+                .await;
+        })
+        .await
+}
+
+async fn mark_serving(health: &HealthReporter) {
+    health
+        .set_serving::<ClusterServiceServer<ClusterApi>>()
+        .await;
+    health
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+}

@@ -1,0 +1,36 @@
+//! The one place where library errors become gRPC statuses.
+
+use tonic::Status;
+
+use crate::election;
+
+impl From<election::Error> for Status {
+    fn from(e: election::Error) -> Status {
+        use election::Error::*;
+        let msg = error_chain(&e);
+        match e {
+            NoLeader => {
+                Status::unavailable(format!("{msg}; an election is in progress, retry shortly"))
+            }
+            Store(_) | ShuttingDown => Status::unavailable(msg),
+            CorruptRecord(_) => Status::internal(msg),
+            NotLeader | WrongTerm { .. } => Status::failed_precondition(msg),
+            PhantomWin => Status::aborted(msg),
+        }
+    }
+}
+
+/// "outer: cause: root cause", so a client sees why without the server's logs.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let part = c.to_string();
+        if !s.contains(&part) {
+            s.push_str(": ");
+            s.push_str(&part);
+        }
+        cur = c.source();
+    }
+    s
+}

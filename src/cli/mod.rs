@@ -1,0 +1,161 @@
+//! Client commands (`baton leader ...`). This is the binary's edge: errors are `anyhow`.
+//!
+//! Every command takes several replica endpoints and tries them in turn, with backoff between
+//! rounds, until the overall `--timeout`.
+
+use std::future::Future;
+use std::time::Duration;
+
+use anyhow::{anyhow, Context};
+use backoff::backoff::Backoff;
+use serde_json::json;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+use crate::config::{ClientArgs, Output, ResignArgs};
+use crate::proto::cluster_service_client::ClusterServiceClient;
+use crate::proto::{GetLeaderRequest, LeaderInfo, ResignLeadershipRequest};
+
+fn uri(addr: &str) -> String {
+    if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    }
+}
+
+/// Opens a channel to one replica.
+pub async fn channel(addr: &str, timeout: Duration) -> anyhow::Result<Channel> {
+    let ep = Endpoint::from_shared(uri(addr))
+        .with_context(|| format!("invalid endpoint {addr:?}"))?
+        .connect_timeout(timeout.min(Duration::from_secs(3)))
+        .timeout(timeout);
+    ep.connect()
+        .await
+        .with_context(|| format!("cannot connect to {addr}"))
+}
+
+/// Calls `f` on each endpoint in turn until one answers with something other than
+/// UNAVAILABLE, retrying rounds with backoff until `timeout` has passed.
+pub async fn call_any<T, F, Fut>(args: &ClientArgs, mut f: F) -> anyhow::Result<T>
+where
+    F: FnMut(Channel) -> Fut,
+    Fut: Future<Output = Result<T, Status>>,
+{
+    let deadline = tokio::time::Instant::now() + args.timeout;
+    let mut pause = backoff::ExponentialBackoff {
+        initial_interval: Duration::from_millis(100),
+        max_interval: Duration::from_secs(1),
+        max_elapsed_time: None,
+        ..Default::default()
+    };
+    let mut last = anyhow!("no endpoints given");
+    loop {
+        for ep in &args.endpoints {
+            match channel(ep, args.timeout).await {
+                Ok(ch) => match f(ch).await {
+                    Ok(v) => return Ok(v),
+                    Err(s) if retryable(&s) => last = anyhow!("{ep}: {}", s.message()),
+                    Err(s) => return Err(anyhow!("{ep}: {} ({:?})", s.message(), s.code())),
+                },
+                Err(e) => last = e,
+            }
+        }
+        let wait = pause.next_backoff().unwrap_or(Duration::from_secs(1));
+        if tokio::time::Instant::now() + wait >= deadline {
+            return Err(last.context(format!(
+                "no replica answered within {}",
+                humantime::format_duration(args.timeout)
+            )));
+        }
+        tokio::time::sleep(wait).await;
+    }
+}
+
+fn retryable(s: &Status) -> bool {
+    matches!(s.code(), Code::Unavailable | Code::DeadlineExceeded)
+}
+
+async fn get_leader(args: &ClientArgs) -> anyhow::Result<LeaderInfo> {
+    call_any(args, |ch| async move {
+        let resp = ClusterServiceClient::new(ch)
+            .get_leader(GetLeaderRequest {})
+            .await?
+            .into_inner();
+        resp.leader
+            .ok_or_else(|| Status::unavailable("the answer named no leader"))
+    })
+    .await
+}
+
+fn leader_json(l: &LeaderInfo) -> serde_json::Value {
+    json!({
+        "replica_id": l.replica_id,
+        "advertise": l.advertise,
+        "term": l.term,
+        "lease_id": format!("{:x}", l.lease_id),
+        "elected_at": l.elected_at.as_ref().map(|t| t.to_string()),
+    })
+}
+
+fn print_leader(prefix: &str, l: &LeaderInfo, output: Output) {
+    match output {
+        Output::Json => println!("{}", leader_json(l)),
+        Output::Text => {
+            let at = l
+                .elected_at
+                .as_ref()
+                .map(|t| format!(", elected {t}"))
+                .unwrap_or_default();
+            println!(
+                "{prefix}{} at {} (term {}{at}, lease {:x})",
+                l.replica_id, l.advertise, l.term, l.lease_id
+            );
+        }
+    }
+}
+
+pub async fn leader_get(args: &ClientArgs) -> anyhow::Result<()> {
+    let l = get_leader(args).await?;
+    print_leader("leader: ", &l, args.output);
+    Ok(())
+}
+
+/// Asks the leader (found through any endpoint) to resign, then waits for the next term.
+pub async fn leader_resign(args: &ResignArgs) -> anyhow::Result<()> {
+    let c = &args.client;
+    let old = get_leader(c).await?;
+    let term = if args.term == 0 { old.term } else { args.term };
+    let ch = channel(&old.advertise, c.timeout).await?;
+    let resp = ClusterServiceClient::new(ch)
+        .resign_leadership(ResignLeadershipRequest { term })
+        .await
+        .map_err(|s| {
+            anyhow!(
+                "{} refused: {} ({:?})",
+                old.advertise,
+                s.message(),
+                s.code()
+            )
+        })?
+        .into_inner();
+    if c.output == Output::Text {
+        println!("{} resigned term {}", resp.replica_id, resp.resigned_term);
+    }
+    let deadline = tokio::time::Instant::now() + c.timeout;
+    loop {
+        if let Ok(l) = get_leader(c).await {
+            if l.term != resp.resigned_term {
+                print_leader("new leader: ", &l, c.output);
+                return Ok(());
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!(
+                "no new leader within {}",
+                humantime::format_duration(c.timeout)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

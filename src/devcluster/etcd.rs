@@ -1,0 +1,233 @@
+//! A private etcd cluster (1 or more members) on loopback, for `baton dev`, drills and tests.
+//!
+//! Auto-compaction is always on: Debian's etcd 3.4 keeps every revision by default and would
+//! eventually fill its quota and refuse all writes.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use super::free_port;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "the etcd binary {bin:?} was not found. Install it with `sudo apt-get install etcd-server etcd-client` \
+         (Debian/Ubuntu), or pass its path with --etcd-bin / BATON_ETCD_BIN"
+    )]
+    Missing { bin: PathBuf },
+    #[error("cannot start etcd member {name}")]
+    Spawn {
+        name: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("etcd did not become ready within {0:?}; see the member logs under {1}")]
+    NotReady(Duration, PathBuf),
+    #[error("io error in {0}")]
+    Io(PathBuf, #[source] std::io::Error),
+}
+
+struct Member {
+    name: String,
+    client_port: u16,
+    peer_port: u16,
+    data_dir: PathBuf,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+/// A running etcd cluster. Dropping it kills every member.
+pub struct EtcdCluster {
+    bin: PathBuf,
+    dir: PathBuf,
+    token: String,
+    members: Vec<Member>,
+}
+
+impl EtcdCluster {
+    /// Starts `size` members with data and logs under `dir`, and waits until they serve.
+    pub fn start(bin: &Path, dir: &Path, size: usize) -> Result<EtcdCluster, Error> {
+        which(bin)?;
+        std::fs::create_dir_all(dir).map_err(|e| Error::Io(dir.into(), e))?;
+        let members = (0..size.max(1))
+            .map(|i| Member {
+                name: format!("etcd-{i}"),
+                client_port: free_port(),
+                peer_port: free_port(),
+                data_dir: dir.join(format!("etcd-{i}.data")),
+                log: dir.join(format!("etcd-{i}.log")),
+                child: None,
+            })
+            .collect();
+        let mut c = EtcdCluster {
+            bin: bin.into(),
+            dir: dir.into(),
+            token: format!("baton-{}", std::process::id()),
+            members,
+        };
+        for i in 0..c.members.len() {
+            c.spawn(i)?;
+        }
+        c.wait_ready(Duration::from_secs(30))?;
+        Ok(c)
+    }
+
+    fn initial_cluster(&self) -> String {
+        self.members
+            .iter()
+            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn spawn(&mut self, i: usize) -> Result<(), Error> {
+        let initial = self.initial_cluster();
+        let m = &mut self.members[i];
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&m.log)
+            .map_err(|e| Error::Io(m.log.clone(), e))?;
+        let client = format!("http://127.0.0.1:{}", m.client_port);
+        let peer = format!("http://127.0.0.1:{}", m.peer_port);
+        let child = Command::new(&self.bin)
+            .arg("--name")
+            .arg(&m.name)
+            .arg("--data-dir")
+            .arg(&m.data_dir)
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &initial])
+            .args(["--initial-cluster-state", "new"])
+            .args(["--initial-cluster-token", &self.token])
+            .args(["--auto-compaction-mode", "periodic"])
+            .args(["--auto-compaction-retention", "1h"])
+            .args(["--logger", "zap", "--log-level", "warn"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(|e| Error::Io(m.log.clone(), e))?)
+            .stderr(log)
+            .spawn()
+            .map_err(|source| Error::Spawn {
+                name: m.name.clone(),
+                source,
+            })?;
+        m.child = Some(child);
+        Ok(())
+    }
+
+    /// `127.0.0.1:port` of every member's client listener.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.client_port))
+            .collect()
+    }
+
+    pub fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Waits until every running member's `/health` says true (it does once raft has a leader).
+    pub fn wait_ready(&self, within: Duration) -> Result<(), Error> {
+        let deadline = Instant::now() + within;
+        for m in self.members.iter().filter(|m| m.child.is_some()) {
+            let addr = format!("127.0.0.1:{}", m.client_port);
+            while !health_ok(&addr) {
+                if Instant::now() >= deadline {
+                    return Err(Error::NotReady(within, self.dir.clone()));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Ok(())
+    }
+
+    /// SIGKILLs member `i`.
+    pub fn kill_member(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERMs member `i` and waits for it to exit.
+    pub fn stop_member(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            let _ = kill(Pid::from_raw(c.id() as i32), Signal::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts member `i` again on its old data and ports.
+    pub fn restart_member(&mut self, i: usize) -> Result<(), Error> {
+        if self.members[i].child.is_none() {
+            self.spawn(i)?;
+        }
+        Ok(())
+    }
+
+    pub fn stop(&mut self) {
+        for i in 0..self.members.len() {
+            self.stop_member(i);
+        }
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill_member(i);
+        }
+    }
+}
+
+/// Fails with the install hint when `bin` cannot be found.
+fn which(bin: &Path) -> Result<(), Error> {
+    let found = if bin.components().count() > 1 {
+        bin.is_file()
+    } else {
+        std::env::var_os("PATH")
+            .map(|p| std::env::split_paths(&p).any(|d| d.join(bin).is_file()))
+            .unwrap_or(false)
+    };
+    if found {
+        Ok(())
+    } else {
+        Err(Error::Missing { bin: bin.into() })
+    }
+}
+
+/// `GET /health` on the member's client port answers `{"health":"true"}` once it has a leader.
+fn health_ok(addr: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(sock) = addr.parse() else { return false };
+    let Ok(mut s) = std::net::TcpStream::connect_timeout(&sock, Duration::from_millis(200)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(1000)));
+    let req = format!("GET /health HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    if s.write_all(req.as_bytes()).is_err() {
+        return false;
+    }
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    body.contains("\"health\":\"true\"")
+}

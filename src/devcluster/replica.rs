@@ -1,0 +1,176 @@
+//! `baton serve` replicas as child processes: started, SIGKILLed, SIGTERMed, paused, resumed.
+
+use std::net::SocketAddr;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use crate::rolelog::{self, RoleEvent};
+
+/// How to start one replica.
+#[derive(Clone, Debug)]
+pub struct ReplicaSpec {
+    pub id: String,
+    pub bin: PathBuf,
+    pub etcd_endpoints: Vec<String>,
+    pub cluster: String,
+    pub listen: SocketAddr,
+    pub lease_ttl: Duration,
+    /// Logs and the role log go here, named after the id.
+    pub dir: PathBuf,
+    /// Anything else for `baton serve`.
+    pub extra_args: Vec<String>,
+}
+
+pub struct ReplicaProcess {
+    spec: ReplicaSpec,
+    child: Child,
+    exit: Option<ExitStatus>,
+}
+
+impl ReplicaProcess {
+    pub fn spawn(spec: ReplicaSpec) -> std::io::Result<ReplicaProcess> {
+        std::fs::create_dir_all(&spec.dir)?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(spec.dir.join(format!("{}.log", spec.id)))?;
+        let mut cmd = Command::new(&spec.bin);
+        cmd.arg("--log-format")
+            .arg("json")
+            .arg("serve")
+            .args(["--etcd-endpoints", &spec.etcd_endpoints.join(",")])
+            .args(["--cluster", &spec.cluster])
+            .args(["--replica-id", &spec.id])
+            .args(["--listen", &spec.listen.to_string()])
+            .args(["--lease-ttl", &format!("{}s", spec.lease_ttl.as_secs())])
+            .arg("--role-log")
+            .arg(role_log_path(&spec.dir, &spec.id))
+            .args(&spec.extra_args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        // Dies with whoever started it, so an aborted test or dev session leaves nothing behind.
+        unsafe {
+            cmd.pre_exec(|| {
+                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)
+            });
+        }
+        let child = cmd.spawn()?;
+        Ok(ReplicaProcess {
+            spec,
+            child,
+            exit: None,
+        })
+    }
+
+    pub fn id(&self) -> &str {
+        &self.spec.id
+    }
+
+    pub fn spec(&self) -> &ReplicaSpec {
+        &self.spec
+    }
+
+    pub fn listen(&self) -> SocketAddr {
+        self.spec.listen
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.spec.dir.join(format!("{}.log", self.spec.id))
+    }
+
+    pub fn role_log_path(&self) -> PathBuf {
+        role_log_path(&self.spec.dir, &self.spec.id)
+    }
+
+    /// The role events this replica has written so far.
+    pub fn role_events(&self) -> Vec<RoleEvent> {
+        std::fs::read_to_string(self.role_log_path())
+            .map(|t| rolelog::parse(&t))
+            .unwrap_or_default()
+    }
+
+    fn signal(&self, s: Signal) {
+        if self.exit.is_none() {
+            let _ = kill(Pid::from_raw(self.pid()), s);
+        }
+    }
+
+    pub fn sigkill(&mut self) {
+        self.signal(Signal::SIGKILL);
+        let _ = self.wait_exit(Duration::from_secs(10));
+    }
+
+    pub fn sigterm(&self) {
+        self.signal(Signal::SIGTERM);
+    }
+
+    pub fn pause(&self) {
+        self.signal(Signal::SIGSTOP);
+    }
+
+    pub fn resume(&self) {
+        self.signal(Signal::SIGCONT);
+    }
+
+    /// The exit status, if it has exited.
+    pub fn try_exit(&mut self) -> Option<ExitStatus> {
+        if self.exit.is_none() {
+            self.exit = self.child.try_wait().ok().flatten();
+        }
+        self.exit
+    }
+
+    pub fn wait_exit(&mut self, within: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Some(s) = self.try_exit() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within `grace`.
+    pub fn stop(&mut self, grace: Duration) -> Option<ExitStatus> {
+        self.resume();
+        self.sigterm();
+        if let Some(s) = self.wait_exit(grace) {
+            return Some(s);
+        }
+        self.sigkill();
+        self.exit
+    }
+
+    /// Starts the same replica again (same id, address and logs).
+    pub fn restart(&mut self) -> std::io::Result<()> {
+        if self.try_exit().is_none() {
+            self.sigkill();
+        }
+        *self = ReplicaProcess::spawn(self.spec.clone())?;
+        Ok(())
+    }
+}
+
+impl Drop for ReplicaProcess {
+    fn drop(&mut self) {
+        if self.try_exit().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn role_log_path(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{id}.roles.jsonl"))
+}

@@ -1,0 +1,219 @@
+//! The role log: every role transition and every newly proven lease deadline, as structured
+//! `tracing` events on the target [`TARGET`], stamped on `CLOCK_BOOTTIME`.
+//!
+//! It exists so that leadership can be audited after the fact on one host. A term starts when
+//! its replica logged `became_leader` and ends at the earlier of its logged `stepped_down` and
+//! its last proven `valid_until - margin`. The second bound holds for a replica that was
+//! SIGKILLed and never logged an end: it had promised to stop acting by then.
+//! [`check_terms`] verifies that no two terms overlap.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::clock::BootInstant;
+
+pub const TARGET: &str = "baton::role";
+
+pub fn became_leader(
+    replica: &str,
+    term: i64,
+    lease: i64,
+    at: BootInstant,
+    valid_until: BootInstant,
+    margin: Duration,
+) {
+    tracing::info!(
+        target: TARGET,
+        event = "became_leader",
+        replica,
+        term,
+        lease,
+        boottime_ns = at.as_nanos(),
+        valid_until_ns = valid_until.as_nanos(),
+        margin_ns = margin.as_nanos() as u64,
+        "became leader"
+    );
+}
+
+pub fn stepped_down(replica: &str, term: i64, lease: i64, at: BootInstant, reason: &str) {
+    tracing::info!(
+        target: TARGET,
+        event = "stepped_down",
+        replica,
+        term,
+        lease,
+        boottime_ns = at.as_nanos(),
+        reason,
+        "stepped down"
+    );
+}
+
+pub fn lease_proven(replica: &str, lease: i64, sent: BootInstant, valid_until: BootInstant) {
+    tracing::info!(
+        target: TARGET,
+        event = "lease_proven",
+        replica,
+        lease,
+        boottime_ns = sent.as_nanos(),
+        valid_until_ns = valid_until.as_nanos(),
+        "lease proven alive"
+    );
+}
+
+/// One line of a role log, as written by the JSON formatter.
+#[derive(Clone, Debug, Deserialize)]
+pub struct RoleEvent {
+    pub event: String,
+    pub replica: String,
+    #[serde(default)]
+    pub term: Option<i64>,
+    pub lease: i64,
+    pub boottime_ns: u64,
+    #[serde(default)]
+    pub valid_until_ns: Option<u64>,
+    #[serde(default)]
+    pub margin_ns: Option<u64>,
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// Reads the role events out of JSON log text; other lines are skipped.
+pub fn parse(text: &str) -> Vec<RoleEvent> {
+    text.lines()
+        .filter(|l| l.contains(TARGET))
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// One leadership interval, reconstructed from a role log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TermInterval {
+    pub replica: String,
+    pub term: i64,
+    pub lease: i64,
+    pub start: BootInstant,
+    /// The earlier of the logged step-down and the last proven deadline minus the margin.
+    pub end: BootInstant,
+    pub step_down_reason: Option<String>,
+}
+
+/// Reconstructs every term from the events of all replicas (in any order).
+pub fn terms(events: &[RoleEvent]) -> Vec<TermInterval> {
+    let mut by_lease: BTreeMap<(String, i64), Vec<&RoleEvent>> = BTreeMap::new();
+    for e in events {
+        by_lease
+            .entry((e.replica.clone(), e.lease))
+            .or_default()
+            .push(e);
+    }
+    let mut out = Vec::new();
+    for ((replica, lease), evs) in by_lease {
+        let Some(start) = evs.iter().find(|e| e.event == "became_leader") else {
+            continue;
+        };
+        let margin = Duration::from_nanos(start.margin_ns.unwrap_or(0));
+        let last_valid = evs
+            .iter()
+            .filter_map(|e| e.valid_until_ns)
+            .max()
+            .unwrap_or(start.boottime_ns);
+        let promised_end = BootInstant::from_nanos(last_valid) - margin;
+        let step_down = evs.iter().find(|e| e.event == "stepped_down");
+        let end = match step_down {
+            Some(s) => promised_end.min(BootInstant::from_nanos(s.boottime_ns)),
+            None => promised_end,
+        };
+        out.push(TermInterval {
+            replica,
+            term: start.term.unwrap_or_default(),
+            lease,
+            start: BootInstant::from_nanos(start.boottime_ns),
+            end,
+            step_down_reason: step_down.and_then(|s| s.reason.clone()),
+        });
+    }
+    out.sort_by_key(|t| t.start);
+    out
+}
+
+/// Two terms that were both in force at once.
+#[derive(Debug, thiserror::Error)]
+#[error("term {} of {} ({}..{}) overlaps term {} of {} starting at {}", .earlier.term, .earlier.replica, .earlier.start, .earlier.end, .later.term, .later.replica, .later.start)]
+pub struct Overlap {
+    pub earlier: TermInterval,
+    pub later: TermInterval,
+}
+
+/// Checks that the terms, sorted by start, never overlap and that terms only grow.
+pub fn check_terms(terms: &[TermInterval]) -> Result<(), Box<Overlap>> {
+    for pair in terms.windows(2) {
+        let (a, b) = (&pair[0], &pair[1]);
+        if b.start < a.end || b.term <= a.term {
+            return Err(Box::new(Overlap {
+                earlier: a.clone(),
+                later: b.clone(),
+            }));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(
+        event: &str,
+        replica: &str,
+        term: i64,
+        lease: i64,
+        at: u64,
+        valid: Option<u64>,
+    ) -> RoleEvent {
+        RoleEvent {
+            event: event.into(),
+            replica: replica.into(),
+            term: Some(term),
+            lease,
+            boottime_ns: at,
+            valid_until_ns: valid,
+            margin_ns: Some(100),
+            reason: None,
+        }
+    }
+
+    #[test]
+    fn a_killed_leader_ends_at_its_promise() {
+        let events = vec![
+            ev("became_leader", "a", 10, 1, 1_000, Some(2_000)),
+            ev("lease_proven", "a", 0, 1, 1_500, Some(3_000)),
+            ev("became_leader", "b", 20, 2, 2_950, Some(5_000)),
+        ];
+        let t = terms(&events);
+        assert_eq!(t.len(), 2);
+        assert_eq!(t[0].end.as_nanos(), 2_900);
+        assert!(check_terms(&t).is_ok());
+    }
+
+    #[test]
+    fn overlap_is_reported() {
+        let events = vec![
+            ev("became_leader", "a", 10, 1, 1_000, Some(3_000)),
+            ev("became_leader", "b", 20, 2, 2_000, Some(5_000)),
+        ];
+        let err = check_terms(&terms(&events)).unwrap_err();
+        assert_eq!(err.later.replica, "b");
+    }
+
+    #[test]
+    fn step_down_ends_a_term_early() {
+        let events = vec![
+            ev("became_leader", "a", 10, 1, 1_000, Some(9_000)),
+            ev("stepped_down", "a", 10, 1, 1_200, None),
+            ev("became_leader", "b", 20, 2, 1_300, Some(5_000)),
+        ];
+        assert!(check_terms(&terms(&events)).is_ok());
+    }
+}

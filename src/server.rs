@@ -1,0 +1,105 @@
+//! `baton serve`: one replica. Wires etcd, the election, the API and signals together.
+//!
+//! Shutdown order on SIGTERM/SIGINT: the election ends its term (leader work stops, resign,
+//! lease revoked), then the API drains, then the process exits 0. The next replica takes over
+//! as soon as the resign lands, not a TTL later.
+
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{self, ClusterApi};
+use crate::config::{ConfigError, ServeArgs};
+use crate::election::{self, ElectionConfig, Role};
+use crate::store::{self, Keys, Store};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Etcd(#[from] store::Error),
+    #[error("cannot listen on {addr}")]
+    Listen {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the gRPC server failed")]
+    Serve(#[from] tonic::transport::Error),
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
+}
+
+pub async fn run(args: ServeArgs) -> Result<(), Error> {
+    args.validate()?;
+    let replica_id = args.replica_id();
+    let keys = Keys::new(&args.cluster);
+    let store = Store::connect(args.etcd.etcd_config()).await?;
+    store
+        .wait_reachable(keys.prefix(), args.etcd.startup_timeout)
+        .await?;
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .map_err(|source| Error::Listen {
+            addr: args.listen,
+            source,
+        })?;
+
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone())?;
+    let (role_tx, role_rx) = watch::channel(Role::Follower);
+    let (cmd_tx, cmd_rx) = mpsc::channel(16);
+    let config = ElectionConfig {
+        replica_id: replica_id.clone(),
+        advertise: args.advertise(),
+        ttl: args.lease_ttl,
+        margin: args.margin(),
+        work_grace: args.shutdown_grace,
+    };
+    tracing::info!(
+        replica = %replica_id,
+        cluster = %args.cluster,
+        ttl = ?config.ttl,
+        margin = ?config.margin,
+        advertise = %config.advertise,
+        "replica starting"
+    );
+    let election = tokio::spawn(election::run(
+        store.clone(),
+        keys.clone(),
+        config,
+        role_tx,
+        cmd_rx,
+        shutdown.clone(),
+    ));
+    let api_stop = CancellationToken::new();
+    let cluster = ClusterApi::new(store, keys, replica_id.clone(), role_rx, cmd_tx);
+    let server = tokio::spawn(api::serve(listener, cluster, api_stop.clone()));
+
+    let _ = election.await;
+    api_stop.cancel();
+    match tokio::time::timeout(Duration::from_secs(5), server).await {
+        Ok(Ok(r)) => r?,
+        Ok(Err(_)) | Err(_) => tracing::warn!("API did not drain in time"),
+    }
+    tracing::info!(replica = %replica_id, "replica stopped");
+    Ok(())
+}
+
+fn spawn_signal_handler(shutdown: CancellationToken) -> Result<(), Error> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).map_err(Error::Signals)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(Error::Signals)?;
+    tokio::spawn(async move {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!(signal = name, "shutting down: handing over leadership");
+        shutdown.cancel();
+    });
+    Ok(())
+}

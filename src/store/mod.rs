@@ -1,0 +1,172 @@
+//! etcd access shared by every part of a replica: the connection, the key layout, bounded
+//! single calls, and the one place where etcd error conditions are recognised.
+//!
+//! There is deliberately one client *without* a per-request timeout: etcd-client's
+//! `with_timeout` would also cancel a waiting `campaign` and every stream. Single calls are
+//! bounded by [`Store::timed`] instead.
+
+mod keys;
+
+pub use keys::Keys;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions, GetOptions};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("etcd endpoints are invalid ({endpoints})")]
+    Endpoints {
+        endpoints: String,
+        #[source]
+        source: etcd_client::Error,
+    },
+    #[error("etcd did not answer {op} within {timeout:?}")]
+    Timeout { op: &'static str, timeout: Duration },
+    #[error("etcd {op} failed: {source}")]
+    Etcd {
+        op: &'static str,
+        #[source]
+        source: etcd_client::Error,
+    },
+    #[error("cannot reach etcd at {endpoints} within {waited:?} (last error: {last})")]
+    Unreachable {
+        endpoints: String,
+        waited: Duration,
+        last: String,
+    },
+}
+
+impl Error {
+    pub fn etcd(op: &'static str) -> impl FnOnce(etcd_client::Error) -> Error {
+        move |source| Error::Etcd { op, source }
+    }
+
+    /// The lease named in the request no longer exists (expired or revoked).
+    pub fn is_lease_not_found(&self) -> bool {
+        matches!(self, Error::Etcd { source, .. } if is_lease_not_found(source))
+    }
+}
+
+/// etcd answered that the lease does not exist (expired or revoked).
+pub fn is_lease_not_found(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::LeaseKeepAliveError(m) => m.contains("lease not found"),
+        etcd_client::Error::GRpcStatus(s) => s.message().contains("requested lease not found"),
+        _ => false,
+    }
+}
+
+/// etcd's election service answered that nobody holds the election.
+pub fn is_no_leader(e: &etcd_client::Error) -> bool {
+    matches!(e, etcd_client::Error::GRpcStatus(s) if s.message().contains("election: no leader"))
+}
+
+/// How to reach etcd.
+#[derive(Clone, Debug)]
+pub struct EtcdConfig {
+    pub endpoints: Vec<String>,
+    /// Bound on every single (non-streaming) call.
+    pub request_timeout: Duration,
+    /// Bound on opening one TCP connection.
+    pub connect_timeout: Duration,
+}
+
+impl EtcdConfig {
+    pub fn new(endpoints: Vec<String>) -> Self {
+        Self {
+            endpoints,
+            request_timeout: Duration::from_secs(3),
+            connect_timeout: Duration::from_secs(2),
+        }
+    }
+
+    fn options(&self) -> ConnectOptions {
+        // HTTP/2 pings every 10 s: etcd closes connections that ping more often than every 5 s,
+        // and a dead connection under a long watch or campaign must still be noticed.
+        ConnectOptions::new()
+            .with_connect_timeout(self.connect_timeout)
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(3))
+    }
+}
+
+/// A cheap-to-clone handle on etcd.
+#[derive(Clone)]
+pub struct Store {
+    config: Arc<EtcdConfig>,
+    client: Client,
+}
+
+impl Store {
+    /// Builds the client. Connections are opened lazily: use [`Store::wait_reachable`] to know
+    /// whether etcd answers.
+    pub async fn connect(config: EtcdConfig) -> Result<Store, Error> {
+        let client = Self::fresh_client(&config).await?;
+        Ok(Store {
+            config: Arc::new(config),
+            client,
+        })
+    }
+
+    /// A client on new connections, sharing nothing with the others. Used after a timeout,
+    /// because a blackholed connection looks open forever.
+    pub async fn fresh_client(config: &EtcdConfig) -> Result<Client, Error> {
+        let connect = Client::connect(&config.endpoints, Some(config.options()));
+        match tokio::time::timeout(config.connect_timeout, connect).await {
+            Ok(r) => r.map_err(|source| Error::Endpoints {
+                endpoints: config.endpoints.join(","),
+                source,
+            }),
+            Err(_) => Err(Error::Timeout {
+                op: "connect",
+                timeout: config.connect_timeout,
+            }),
+        }
+    }
+
+    pub fn config(&self) -> &EtcdConfig {
+        &self.config
+    }
+
+    /// The shared client, without a per-request timeout.
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    /// Runs one etcd call under the request timeout.
+    pub async fn timed<T>(
+        &self,
+        op: &'static str,
+        call: impl Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, Error> {
+        let timeout = self.config.request_timeout;
+        match tokio::time::timeout(timeout, call).await {
+            Ok(r) => r.map_err(Error::etcd(op)),
+            Err(_) => Err(Error::Timeout { op, timeout }),
+        }
+    }
+
+    /// Waits until etcd serves a linearizable read (so it has quorum), or gives up after `wait`.
+    pub async fn wait_reachable(&self, probe_key: &str, wait: Duration) -> Result<(), Error> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut last;
+        loop {
+            let mut c = self.client();
+            let probe = c.get(probe_key, Some(GetOptions::new().with_count_only()));
+            match self.timed("get", probe).await {
+                Ok(_) => return Ok(()),
+                Err(e) => last = e.to_string(),
+            }
+            if tokio::time::Instant::now() + Duration::from_millis(200) >= deadline {
+                return Err(Error::Unreachable {
+                    endpoints: self.config.endpoints.join(","),
+                    waited: wait,
+                    last,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
