@@ -16,10 +16,12 @@ use crate::clock::BootInstant;
 
 pub const TARGET: &str = "baton::role";
 
+#[allow(clippy::too_many_arguments)]
 pub fn became_leader(
     replica: &str,
     term: i64,
     lease: i64,
+    key: &str,
     at: BootInstant,
     valid_until: BootInstant,
     margin: Duration,
@@ -30,6 +32,7 @@ pub fn became_leader(
         replica,
         term,
         lease,
+        key,
         boottime_ns = at.as_nanos(),
         valid_until_ns = valid_until.as_nanos(),
         margin_ns = margin.as_nanos() as u64,
@@ -70,6 +73,9 @@ pub struct RoleEvent {
     #[serde(default)]
     pub term: Option<i64>,
     pub lease: i64,
+    /// The election key (on `became_leader`).
+    #[serde(default)]
+    pub key: Option<String>,
     pub boottime_ns: u64,
     #[serde(default)]
     pub valid_until_ns: Option<u64>,
@@ -177,6 +183,7 @@ mod tests {
             replica: replica.into(),
             term: Some(term),
             lease,
+            key: None,
             boottime_ns: at,
             valid_until_ns: valid,
             margin_ns: Some(100),

@@ -167,6 +167,8 @@ fn proof(sent: BootInstant, ttl_secs: i64) -> Option<Proof> {
     })
 }
 
+const RETRY_AFTER_ERROR: Duration = Duration::from_millis(100);
+
 struct Keeper {
     store: Store,
     id: i64,
@@ -242,9 +244,12 @@ impl Keeper {
                             return;
                         }
                         Ok(Err(e)) => {
-                            tracing::warn!(lease = self.id, error = %e, "keepalive failed; next one on a fresh connection");
+                            tracing::warn!(lease = self.id, error = %e, "keepalive failed; retrying on a fresh connection");
                             stream = None;
                             fresh = true;
+                            // An error (unlike a timeout) arrives early: retry at once instead
+                            // of losing a whole period.
+                            ticker.reset_after(RETRY_AFTER_ERROR);
                         }
                         Err(_) => {
                             tracing::warn!(lease = self.id, timeout = ?per_call, "keepalive unanswered; next one on a fresh connection");

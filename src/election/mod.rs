@@ -181,6 +181,7 @@ pub async fn run(
             &config.replica_id,
             term.revision(),
             term.lease_id(),
+            &String::from_utf8_lossy(term.key()),
             BootInstant::now(),
             term.valid_until(),
             config.margin,
@@ -225,8 +226,8 @@ async fn campaign(
     }
 }
 
-/// Turns a campaign win into a term, or refuses a phantom win.
-async fn confirm(
+/// Turns a campaign win into a term, or refuses a phantom win ([`Error::PhantomWin`]).
+pub async fn confirm(
     store: &Store,
     config: &ElectionConfig,
     lease: &Lease,

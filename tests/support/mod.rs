@@ -1,0 +1,267 @@
+//! Test harness: a real etcd (own temp dir, free loopback ports), real `baton serve` processes,
+//! and fault proxies between replicas and etcd. Every wait is a condition with a deadline.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use baton::devcluster::{free_port, EtcdCluster, FaultProxy, Mode, ReplicaProcess, ReplicaSpec};
+use baton::proto::cluster_service_client::ClusterServiceClient;
+use baton::proto::{GetLeaderRequest, GetLeaderResponse, LeaderInfo};
+use baton::rolelog::{self, RoleEvent, TermInterval};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_baton");
+
+/// Starts etcd, or fails the test with the install hint when the binary is missing.
+pub fn start_etcd(dir: &std::path::Path, members: usize) -> EtcdCluster {
+    match EtcdCluster::start(std::path::Path::new("etcd"), dir, members) {
+        Ok(c) => c,
+        Err(e) => panic!("cannot start etcd for the tests: {e}"),
+    }
+}
+
+pub struct Options {
+    pub replicas: usize,
+    pub etcd_members: usize,
+    pub ttl: Duration,
+    /// Put a fault proxy between each replica and etcd member 0.
+    pub proxied: bool,
+    pub extra_args: Vec<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            replicas: 3,
+            etcd_members: 1,
+            ttl: Duration::from_secs(2),
+            proxied: false,
+            extra_args: Vec::new(),
+        }
+    }
+}
+
+pub struct Cluster {
+    pub replicas: Vec<ReplicaProcess>,
+    pub proxies: Vec<FaultProxy>,
+    pub etcd: EtcdCluster,
+    pub ttl: Duration,
+    pub cluster: String,
+    pub dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    pub fn start(opts: Options) -> Cluster {
+        let dir = tempfile::Builder::new()
+            .prefix("baton-test-")
+            .tempdir()
+            .unwrap();
+        let etcd = start_etcd(&dir.path().join("etcd"), opts.etcd_members);
+        let mut proxies = Vec::new();
+        let mut replicas = Vec::new();
+        for i in 0..opts.replicas {
+            let endpoints = if opts.proxied {
+                let target: SocketAddr = etcd.endpoints()[0].parse().unwrap();
+                let p = FaultProxy::start(target).unwrap();
+                let ep = vec![p.addr().to_string()];
+                proxies.push(p);
+                ep
+            } else {
+                etcd.endpoints()
+            };
+            let spec = ReplicaSpec {
+                id: format!("r{}", i + 1),
+                bin: BIN.into(),
+                etcd_endpoints: endpoints,
+                cluster: "test".into(),
+                listen: ([127, 0, 0, 1], free_port()).into(),
+                lease_ttl: opts.ttl,
+                dir: dir.path().join("replicas"),
+                extra_args: opts.extra_args.clone(),
+            };
+            replicas.push(ReplicaProcess::spawn(spec).unwrap());
+        }
+        Cluster {
+            replicas,
+            proxies,
+            etcd,
+            ttl: opts.ttl,
+            cluster: "test".into(),
+            dir,
+        }
+    }
+
+    pub fn index_of(&self, replica_id: &str) -> usize {
+        self.replicas
+            .iter()
+            .position(|r| r.id() == replica_id)
+            .unwrap_or_else(|| panic!("no replica {replica_id}"))
+    }
+
+    /// `GetLeader` answered by replica `i`.
+    pub async fn get_leader(&self, i: usize) -> Result<GetLeaderResponse, String> {
+        get_leader_at(self.replicas[i].listen()).await
+    }
+
+    /// Waits until every replica in `among` names the same leader, one of `among`, whose term
+    /// satisfies `term_ok`. Returns that leader.
+    pub async fn wait_leader(
+        &self,
+        among: &[usize],
+        within: Duration,
+        term_ok: impl Fn(i64) -> bool,
+    ) -> LeaderInfo {
+        let ids: Vec<String> = among
+            .iter()
+            .map(|&i| self.replicas[i].id().to_string())
+            .collect();
+        wait_for("all replicas to agree on one leader", within, || async {
+            let mut agreed: Option<LeaderInfo> = None;
+            for &i in among {
+                let l = self.get_leader(i).await.ok()?.leader?;
+                if agreed.as_ref().is_some_and(|a| a != &l) {
+                    return None;
+                }
+                agreed = Some(l);
+            }
+            agreed.filter(|l| ids.contains(&l.replica_id) && term_ok(l.term))
+        })
+        .await
+    }
+
+    pub fn all_indices(&self) -> Vec<usize> {
+        (0..self.replicas.len()).collect()
+    }
+
+    pub fn role_events(&self) -> Vec<RoleEvent> {
+        self.replicas.iter().flat_map(|r| r.role_events()).collect()
+    }
+
+    /// Every term in the role logs; fails the test if any two overlap.
+    pub fn checked_terms(&self) -> Vec<TermInterval> {
+        let terms = rolelog::terms(&self.role_events());
+        if let Err(o) = rolelog::check_terms(&terms) {
+            panic!("leadership intervals overlap: {o}\nall terms: {terms:#?}");
+        }
+        terms
+    }
+
+    /// Waits until `replica` campaigns (or leads) with a lease other than `old_lease`.
+    pub async fn wait_candidate_on_new_lease(&self, replica: &str, old_lease: i64) {
+        let client = etcd_client::Client::connect(self.etcd.endpoints(), None)
+            .await
+            .unwrap();
+        let prefix = format!("/baton/{}/election/", self.cluster);
+        wait_for(
+            "the replica to campaign again on a new lease",
+            Duration::from_secs(20),
+            || {
+                let mut client = client.clone();
+                let prefix = prefix.clone();
+                async move {
+                    let resp = client
+                        .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+                        .await
+                        .ok()?;
+                    resp.kvs()
+                        .iter()
+                        .any(|kv| {
+                            let v: serde_json::Value = serde_json::from_slice(kv.value()).unwrap();
+                            v["replica_id"] == replica && kv.lease() != old_lease
+                        })
+                        .then_some(())
+                }
+            },
+        )
+        .await;
+    }
+
+    pub fn proxy(&self, i: usize) -> &FaultProxy {
+        &self.proxies[i]
+    }
+
+    pub fn cut_off(&self, i: usize) {
+        self.proxies[i].set_mode(Mode::Blackhole);
+    }
+
+    pub fn reconnect(&self, i: usize) {
+        self.proxies[i].set_mode(Mode::Pass);
+    }
+
+    pub fn log_of(&self, i: usize) -> String {
+        std::fs::read_to_string(self.replicas[i].log_path()).unwrap_or_default()
+    }
+
+    pub fn logs_dir(&self) -> PathBuf {
+        self.dir.path().join("replicas")
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // Keep the logs of a failed test for a human to read.
+            let kept = self.dir.path().to_path_buf();
+            eprintln!("test failed; logs kept in {}", kept.display());
+            let _ = std::mem::replace(
+                &mut self.dir,
+                tempfile::Builder::new()
+                    .prefix("baton-empty-")
+                    .tempdir()
+                    .unwrap(),
+            )
+            .keep();
+        }
+    }
+}
+
+pub async fn get_leader_at(addr: SocketAddr) -> Result<GetLeaderResponse, String> {
+    let ep = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_millis(500))
+        .timeout(Duration::from_secs(2));
+    let ch = ep.connect().await.map_err(|e| e.to_string())?;
+    ClusterServiceClient::new(ch)
+        .get_leader(GetLeaderRequest {})
+        .await
+        .map(|r| r.into_inner())
+        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
+}
+
+/// Polls `check` until it yields a value; panics with `what` after `within`.
+pub async fn wait_for<T, F, Fut>(what: &str, within: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        if Instant::now() >= deadline {
+            panic!("timed out after {within:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Synchronous variant for conditions on files and processes.
+pub async fn wait_until(what: &str, within: Duration, mut check: impl FnMut() -> bool) {
+    wait_for(what, within, || {
+        let ok = check();
+        async move { ok.then_some(()) }
+    })
+    .await
+}
+
+/// The events of `replica` in its role log.
+pub fn events_of<'a>(events: &'a [RoleEvent], replica: &str) -> Vec<&'a RoleEvent> {
+    events.iter().filter(|e| e.replica == replica).collect()
+}
+
+pub fn ms(d: Duration) -> u128 {
+    d.as_millis()
+}
