@@ -83,13 +83,20 @@ fn main() {
     rt.block_on(async {
         for ttl in ttls {
             let ttl = Duration::from_secs(ttl);
+            let secs = ttl.as_secs();
+            let (killed, _) = rounds(ttl, n, false).await;
             summary(
-                &format!("SIGKILL failover, TTL {}s", ttl.as_secs()),
-                rounds(ttl, n, false).await,
+                &format!("SIGKILL failover, TTL {secs}s (client view)"),
+                killed,
+            );
+            let (handed, gaps) = rounds(ttl, n, true).await;
+            summary(
+                &format!("SIGTERM handover, TTL {secs}s (client view)"),
+                handed,
             );
             summary(
-                &format!("SIGTERM handover, TTL {}s", ttl.as_secs()),
-                rounds(ttl, n, true).await,
+                &format!("SIGTERM handover, TTL {secs}s (step-down to new term)"),
+                gaps,
             );
         }
     });

@@ -42,6 +42,89 @@ pub enum Command {
         #[command(subcommand)]
         command: LeaderCommand,
     },
+    /// Submit, inspect and cancel jobs.
+    Job {
+        #[command(subcommand)]
+        command: JobCommand,
+    },
+    /// The lease guard that runs each job (started by the leader, not by hand).
+    #[command(name = "__guard", hide = true)]
+    Guard(crate::runner::guard::GuardArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum JobCommand {
+    /// Submit a job: `baton job submit [--id ID] -- CMD ARGS...`.
+    Submit(SubmitArgs),
+    /// Show one job.
+    Get(JobIdArgs),
+    /// List jobs.
+    List(ListArgs),
+    /// Request cancellation of a pending or running job.
+    Cancel(JobIdArgs),
+    /// Wait until the job's result is recorded; exit with the job's exit code.
+    Wait(JobIdArgs),
+    /// Print the output of an attempt (default: the latest).
+    Logs(LogsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// The job id (default: a new unique one, chosen before the first try so retries are safe).
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Environment for the job, `K=V`; repeatable.
+    #[arg(long = "env", value_name = "K=V")]
+    pub env: Vec<String>,
+    /// Cleanup command, run once the job is terminal (split on whitespace; use a script for more).
+    #[arg(long)]
+    pub cleanup: Option<String>,
+    /// Failed attempts allowed (0: the default, 3).
+    #[arg(long, default_value_t = 0)]
+    pub max_attempts: u32,
+    /// Per-attempt timeout (default 24h).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub attempt_timeout: Option<Duration>,
+    /// Wait for the result after submitting, like `baton job wait`.
+    #[arg(long)]
+    pub wait: bool,
+    /// The command and its arguments.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct JobIdArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub id: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// pending, running, finished, failed or canceled.
+    #[arg(long)]
+    pub state: Option<String>,
+    /// pending, needs-operator or done.
+    #[arg(long)]
+    pub cleanup: Option<String>,
+    /// At most this many jobs (all pages are read up to it).
+    #[arg(long, default_value_t = 1000)]
+    pub limit: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub id: String,
+    /// Attempt number (default: the latest).
+    #[arg(long, default_value_t = 0)]
+    pub attempt: u32,
 }
 
 #[derive(Debug, Subcommand)]
@@ -52,7 +135,7 @@ pub enum LeaderCommand {
     Resign(ResignArgs),
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct ClientArgs {
     /// Replica addresses, tried in turn.
     #[arg(
@@ -140,6 +223,26 @@ pub struct ServeArgs {
     /// How long leader work may take to stop before the replica resigns anyway.
     #[arg(long, env = "BATON_SHUTDOWN_GRACE", value_parser = humantime::parse_duration, default_value = "10s")]
     pub shutdown_grace: Duration,
+    /// Per-job folders (logs, exit records, checkpoints). Must be the same folder for every
+    /// replica of the cluster: the same path on one host, a shared volume on Kubernetes.
+    #[arg(long, env = "BATON_STORAGE_DIR", default_value = "baton-storage")]
+    pub storage_dir: PathBuf,
+    /// Jobs running at once; the rest stay PENDING in submission order.
+    #[arg(long, env = "BATON_MAX_RUNNING", default_value_t = 64)]
+    pub max_running: usize,
+    /// Restarts after leader changes allowed per job, so a job that kills its host cannot
+    /// crash-loop the cluster.
+    #[arg(long, env = "BATON_MAX_RECOVERIES", default_value_t = 10)]
+    pub max_recoveries: u32,
+    /// First delay before retrying a failed attempt (doubles each time).
+    #[arg(long, env = "BATON_RETRY_INITIAL_DELAY", value_parser = humantime::parse_duration, default_value = "1s")]
+    pub retry_initial_delay: Duration,
+    /// Longest delay between retries.
+    #[arg(long, env = "BATON_RETRY_MAX_DELAY", value_parser = humantime::parse_duration, default_value = "5m")]
+    pub retry_max_delay: Duration,
+    /// After a cancel's SIGTERM, how long a job has before SIGKILL.
+    #[arg(long, env = "BATON_KILL_GRACE", value_parser = humantime::parse_duration, default_value = "10s")]
+    pub kill_grace: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -192,6 +295,14 @@ impl ServeArgs {
         }
         validate_name("--cluster", &self.cluster)?;
         validate_name("--replica-id", &self.replica_id())?;
+        if self.max_running == 0 {
+            return Err(ConfigError("--max-running must be at least 1".into()));
+        }
+        if self.retry_initial_delay.is_zero() || self.retry_initial_delay > self.retry_max_delay {
+            return Err(ConfigError(
+                "--retry-initial-delay must be above 0 and at most --retry-max-delay".into(),
+            ));
+        }
         if self.etcd.etcd_endpoints.iter().all(|e| e.trim().is_empty()) {
             return Err(ConfigError("--etcd-endpoints is empty".into()));
         }
@@ -263,6 +374,12 @@ mod tests {
         );
         assert!(serve(&["--step-down-margin", "3s"]).validate().is_err());
         assert!(serve(&["--lease-ttl", "2500ms"]).validate().is_err());
+    }
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
     }
 
     #[test]

@@ -11,8 +11,10 @@ pub mod clock;
 pub mod config;
 pub mod devcluster;
 pub mod election;
+pub mod jobs;
 pub mod logging;
 pub mod rolelog;
+pub mod runner;
 pub mod server;
 pub mod store;
 

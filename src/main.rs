@@ -2,10 +2,14 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use baton::config::{Cli, Command, LeaderCommand};
+use baton::config::{Cli, Command, JobCommand, LeaderCommand};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The guard is a small synchronous process: no runtime, no logging setup.
+    if let Command::Guard(args) = cli.command {
+        return ExitCode::from(baton::runner::guard::run(args) as u8);
+    }
     let role_log = match &cli.command {
         Command::Serve(s) => s.role_log.clone(),
         _ => None,
@@ -29,10 +33,25 @@ fn main() -> ExitCode {
                 LeaderCommand::Get(args) => baton::cli::leader_get(&args).await,
                 LeaderCommand::Resign(args) => baton::cli::leader_resign(&args).await,
             },
+            Command::Job { command } => match command {
+                JobCommand::Submit(args) => baton::cli::jobs::submit(&args).await,
+                JobCommand::Get(args) => baton::cli::jobs::get(&args).await,
+                JobCommand::List(args) => baton::cli::jobs::list(&args).await,
+                JobCommand::Cancel(args) => baton::cli::jobs::cancel(&args).await,
+                JobCommand::Wait(args) => baton::cli::jobs::wait(&args).await,
+                JobCommand::Logs(args) => baton::cli::jobs::logs(&args).await,
+            },
+            Command::Guard(_) => unreachable!("handled above"),
         }
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.downcast_ref::<baton::cli::jobs::JobExit>().is_some() => {
+            let code = e
+                .downcast_ref::<baton::cli::jobs::JobExit>()
+                .map_or(1, |j| j.0);
+            ExitCode::from(code)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

@@ -10,9 +10,10 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{self, ClusterApi};
+use crate::api::{self, ClusterApi, JobApi};
 use crate::config::{ConfigError, ServeArgs};
 use crate::election::{self, ElectionConfig, Role};
+use crate::runner::{self, storage, RunnerConfig};
 use crate::store::{self, Keys, Store};
 
 #[derive(Debug, thiserror::Error)]
@@ -31,6 +32,10 @@ pub enum Error {
     Serve(#[from] tonic::transport::Error),
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
+    #[error(transparent)]
+    Storage(#[from] storage::Error),
+    #[error("cannot find the baton binary to run job guards")]
+    GuardBinary(#[source] std::io::Error),
 }
 
 pub async fn run(args: ServeArgs) -> Result<(), Error> {
@@ -41,6 +46,10 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
     store
         .wait_reachable(keys.prefix(), args.etcd.startup_timeout)
         .await?;
+    storage::check_marker(&store, &keys, &args.cluster, &args.storage_dir).await?;
+    let storage_dir = std::fs::canonicalize(&args.storage_dir)
+        .map_err(|e| storage::Error::Io(args.storage_dir.clone(), e))?;
+    let guard_bin = std::env::current_exe().map_err(Error::GuardBinary)?;
     let listener = TcpListener::bind(args.listen)
         .await
         .map_err(|source| Error::Listen {
@@ -67,6 +76,23 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         advertise = %config.advertise,
         "replica starting"
     );
+    let runner_config = RunnerConfig {
+        replica_id: replica_id.clone(),
+        storage_dir: storage_dir.clone(),
+        guard_bin,
+        max_running: args.max_running,
+        max_recoveries: args.max_recoveries,
+        retry_initial: args.retry_initial_delay,
+        retry_max: args.retry_max_delay,
+        kill_grace: args.kill_grace,
+        margin: config.margin,
+    };
+    tokio::spawn(runner::run(
+        store.clone(),
+        keys.clone(),
+        runner_config,
+        role_rx.clone(),
+    ));
     let election = tokio::spawn(election::run(
         store.clone(),
         keys.clone(),
@@ -76,8 +102,15 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         shutdown.clone(),
     ));
     let api_stop = CancellationToken::new();
+    let jobs = JobApi::new(store.clone(), keys.clone(), replica_id.clone(), storage_dir);
     let cluster = ClusterApi::new(store, keys, replica_id.clone(), role_rx, cmd_tx);
-    let server = tokio::spawn(api::serve(listener, cluster, api_stop.clone()));
+    let server = tokio::spawn(api::serve(
+        listener,
+        cluster,
+        jobs,
+        shutdown.clone(),
+        api_stop.clone(),
+    ));
 
     let _ = election.await;
     api_stop.cancel();

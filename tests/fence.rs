@@ -69,7 +69,7 @@ async fn the_fence_tells_a_lost_term_from_a_conflict_and_ends_the_term() {
     let absent = Compare::version(key, CompareOp::Equal, 0);
     let put = || vec![TxnOp::put(key, "1", None)];
     let first = term.commit(vec![absent.clone()], put()).await.unwrap();
-    assert!(matches!(first, Commit::Applied(_)));
+    assert!(matches!(first, Commit::Applied { .. }));
     let second = term.commit(vec![absent], put()).await.unwrap();
     assert!(
         matches!(second, Commit::Conflict(_)),

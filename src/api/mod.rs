@@ -1,9 +1,11 @@
 //! The gRPC surface of a replica: `baton.v1` services, standard health and reflection.
 
 mod cluster;
+mod jobs;
 mod status;
 
 pub use cluster::ClusterApi;
+pub use jobs::{job_view, JobApi};
 
 use std::net::SocketAddr;
 
@@ -14,12 +16,16 @@ use tonic::transport::Server;
 use tonic_health::server::HealthReporter;
 
 use crate::proto::cluster_service_server::ClusterServiceServer;
+use crate::proto::job_service_server::JobServiceServer;
 
-/// Serves until `shutdown` fires, then drains in-flight calls.
+/// Serves until `stop` fires, then drains in-flight calls. Health turns NOT_SERVING as soon as
+/// `draining` fires (the replica is handing over), so load balancers stop sending work.
 pub async fn serve(
     listener: TcpListener,
     cluster: ClusterApi,
-    shutdown: CancellationToken,
+    jobs: JobApi,
+    draining: CancellationToken,
+    stop: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let (health, health_service) = tonic_health::server::health_reporter();
     mark_serving(&health).await;
@@ -30,17 +36,19 @@ pub async fn serve(
         .expect("the embedded descriptor sets are valid");
     let local: Option<SocketAddr> = listener.local_addr().ok();
     tracing::info!(listen = ?local, "gRPC API serving");
-    let done = shutdown.clone();
+    tokio::spawn(async move {
+        draining.cancelled().await;
+        health
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
+        health.set_not_serving::<JobServiceServer<JobApi>>().await;
+    });
     Server::builder()
         .add_service(health_service)
         .add_service(reflection)
         .add_service(ClusterServiceServer::new(cluster))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
-            done.cancelled().await;
-            health
-                .set_service_status("", tonic_health::ServingStatus::NotServing)
-                .await;
-        })
+        .add_service(JobServiceServer::new(jobs).max_decoding_message_size(jobs::MAX_REQUEST_BYTES))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop.cancelled_owned())
         .await
 }
 
@@ -48,6 +56,7 @@ async fn mark_serving(health: &HealthReporter) {
     health
         .set_serving::<ClusterServiceServer<ClusterApi>>()
         .await;
+    health.set_serving::<JobServiceServer<JobApi>>().await;
     health
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;

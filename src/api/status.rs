@@ -3,6 +3,22 @@
 use tonic::Status;
 
 use crate::election;
+use crate::jobs;
+
+impl From<jobs::Error> for Status {
+    fn from(e: jobs::Error) -> Status {
+        use jobs::Error::*;
+        let msg = error_chain(&e);
+        match e {
+            Invalid(_) => Status::invalid_argument(msg),
+            NotFound(_) => Status::not_found(msg),
+            AlreadyExists { .. } => Status::already_exists(msg),
+            Terminal(_) => Status::failed_precondition(msg),
+            Store(_) => Status::unavailable(msg),
+            Corrupt(_) => Status::data_loss(msg),
+        }
+    }
+}
 
 impl From<election::Error> for Status {
     fn from(e: election::Error) -> Status {

@@ -3,6 +3,8 @@
 //! Every command takes several replica endpoints and tries them in turn, with backoff between
 //! rounds, until the overall `--timeout`.
 
+pub mod jobs;
+
 use std::future::Future;
 use std::time::Duration;
 

@@ -49,7 +49,10 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             listen,
             lease_ttl: args.lease_ttl,
             dir: dir.join("replicas"),
-            extra_args: Vec::new(),
+            extra_args: vec![
+                "--storage-dir".into(),
+                dir.join("storage").display().to_string(),
+            ],
         };
         let r = ReplicaProcess::spawn(spec).context("starting a replica")?;
         println!("{}: {} (log {})", r.id(), listen, r.log_path().display());

@@ -38,15 +38,18 @@ pub enum FenceError {
 /// What a fenced transaction did when the fence held.
 #[derive(Debug)]
 pub enum Commit {
-    /// The caller's compares held and its operations were applied.
-    Applied(TxnResponse),
+    /// The caller's compares held and its operations were applied at `revision`.
+    Applied {
+        revision: i64,
+        response: TxnResponse,
+    },
     /// The caller's compares failed; nothing was written. The term goes on.
     Conflict(TxnResponse),
 }
 
 impl Commit {
     pub fn applied(&self) -> bool {
-        matches!(self, Commit::Applied(_))
+        matches!(self, Commit::Applied { .. })
     }
 }
 
@@ -202,11 +205,18 @@ impl Term {
                 term: self.revision(),
             });
         }
+        let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
         if !nested {
-            return Ok(Commit::Applied(resp));
+            return Ok(Commit::Applied {
+                revision,
+                response: resp,
+            });
         }
         match resp.op_responses().into_iter().next() {
-            Some(TxnOpResponse::Txn(inner)) if inner.succeeded() => Ok(Commit::Applied(inner)),
+            Some(TxnOpResponse::Txn(inner)) if inner.succeeded() => Ok(Commit::Applied {
+                revision,
+                response: inner,
+            }),
             Some(TxnOpResponse::Txn(inner)) => Ok(Commit::Conflict(inner)),
             _ => unreachable!("a fenced nested txn answers with its inner txn"),
         }

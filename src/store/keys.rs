@@ -22,6 +22,63 @@ impl Keys {
     pub fn election(&self) -> String {
         format!("{}election", self.prefix)
     }
+
+    /// `jobs/`: submitted specs.
+    pub fn jobs(&self) -> String {
+        format!("{}jobs/", self.prefix)
+    }
+
+    /// `registry/`: PENDING and RUNNING jobs only.
+    pub fn registry(&self) -> String {
+        format!("{}registry/", self.prefix)
+    }
+
+    /// `results/dirty/`: terminal results whose cleanup is not complete.
+    pub fn dirty(&self) -> String {
+        format!("{}results/dirty/", self.prefix)
+    }
+
+    /// `results/clean/`: terminal results whose cleanup is complete.
+    pub fn clean(&self) -> String {
+        format!("{}results/clean/", self.prefix)
+    }
+
+    /// `cancel/`: cancel requests.
+    pub fn cancel(&self) -> String {
+        format!("{}cancel/", self.prefix)
+    }
+
+    /// The token that proves a storage folder is this cluster's shared one.
+    pub fn storage_marker(&self) -> String {
+        format!("{}storage-marker", self.prefix)
+    }
+
+    /// The job id of a key under one of the per-job prefixes.
+    pub fn id_in<'a>(prefix: &str, key: &'a [u8]) -> Option<&'a str> {
+        std::str::from_utf8(key).ok()?.strip_prefix(prefix)
+    }
+}
+
+/// The keys of one job.
+#[derive(Clone, Debug)]
+pub struct JobKeys {
+    pub spec: String,
+    pub registry: String,
+    pub dirty: String,
+    pub clean: String,
+    pub cancel: String,
+}
+
+impl Keys {
+    pub fn job(&self, id: &str) -> JobKeys {
+        JobKeys {
+            spec: format!("{}{id}", self.jobs()),
+            registry: format!("{}{id}", self.registry()),
+            dirty: format!("{}{id}", self.dirty()),
+            clean: format!("{}{id}", self.clean()),
+            cancel: format!("{}{id}", self.cancel()),
+        }
+    }
 }
 
 #[cfg(test)]

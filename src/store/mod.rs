@@ -5,9 +5,10 @@
 //! `with_timeout` would also cancel a waiting `campaign` and every stream. Single calls are
 //! bounded by [`Store::timed`] instead.
 
+pub mod codec;
 mod keys;
 
-pub use keys::Keys;
+pub use keys::{JobKeys, Keys};
 
 use std::future::Future;
 use std::sync::Arc;

@@ -59,6 +59,7 @@ impl Cluster {
             .tempdir()
             .unwrap();
         let etcd = start_etcd(&dir.path().join("etcd"), opts.etcd_members);
+        let storage = dir.path().join("storage");
         let mut proxies = Vec::new();
         let mut replicas = Vec::new();
         for i in 0..opts.replicas {
@@ -79,7 +80,11 @@ impl Cluster {
                 listen: ([127, 0, 0, 1], free_port()).into(),
                 lease_ttl: opts.ttl,
                 dir: dir.path().join("replicas"),
-                extra_args: opts.extra_args.clone(),
+                extra_args: [
+                    vec!["--storage-dir".to_string(), storage.display().to_string()],
+                    opts.extra_args.clone(),
+                ]
+                .concat(),
             };
             replicas.push(ReplicaProcess::spawn(spec).unwrap());
         }
@@ -196,6 +201,11 @@ impl Cluster {
 
     pub fn logs_dir(&self) -> PathBuf {
         self.dir.path().join("replicas")
+    }
+
+    /// The shared storage folder (`--storage-dir`) of every replica.
+    pub fn storage(&self) -> PathBuf {
+        self.dir.path().join("storage")
     }
 }
 

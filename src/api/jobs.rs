@@ -1,0 +1,483 @@
+//! `baton.v1.JobService`: submission, reads, cancel, watch and logs, served by every replica
+//! straight from etcd (and the shared storage folder for logs).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::time::Duration;
+
+use etcd_client::WatchOptions;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::jobs::records::{JobResult, RegistryEntry, RegistryStatus};
+use crate::jobs::spec::{self, JobSpec};
+use crate::jobs::{self, Snapshot, State};
+use crate::proto::{self, job_service_server::JobService};
+use crate::runner::{guard, storage};
+use crate::store::codec;
+use crate::store::{Keys, Store};
+
+/// Largest request the job API decodes; the stored spec limit is far below.
+pub const MAX_REQUEST_BYTES: usize = 256 * 1024;
+
+#[derive(Clone)]
+pub struct JobApi {
+    store: Store,
+    keys: Keys,
+    replica_id: String,
+    storage_dir: PathBuf,
+}
+
+impl JobApi {
+    pub fn new(store: Store, keys: Keys, replica_id: String, storage_dir: PathBuf) -> Self {
+        Self {
+            store,
+            keys,
+            replica_id,
+            storage_dir,
+        }
+    }
+}
+
+fn state_proto(s: State) -> proto::JobState {
+    match s {
+        State::Pending => proto::JobState::Pending,
+        State::Running => proto::JobState::Running,
+        State::Finished => proto::JobState::Finished,
+        State::Failed => proto::JobState::Failed,
+        State::Canceled => proto::JobState::Canceled,
+    }
+}
+
+fn spec_proto(s: &JobSpec) -> proto::JobSpec {
+    proto::JobSpec {
+        command: s.command.clone(),
+        env: s.env.clone().into_iter().collect(),
+        cleanup_command: s.cleanup_command.clone(),
+        max_attempts: s.max_attempts,
+        timeout: prost_types::Duration::try_from(s.timeout).ok(),
+    }
+}
+
+fn cleanup_proto(result: Option<&JobResult>, clean: bool) -> proto::CleanupStatus {
+    let Some(r) = result else {
+        return proto::CleanupStatus {
+            state: proto::CleanupState::CleanupNotStarted as i32,
+            ..Default::default()
+        };
+    };
+    let c = &r.cleanup;
+    let state = if clean {
+        proto::CleanupState::CleanupDone
+    } else if c.needs_operator {
+        proto::CleanupState::CleanupNeedsOperator
+    } else {
+        proto::CleanupState::CleanupPending
+    };
+    proto::CleanupStatus {
+        state: state as i32,
+        stage: c.stage,
+        attempts: c.attempts,
+        last_error: c.last_error.clone().unwrap_or_default(),
+        next_retry_unix_ms: c.next_retry_ms as i64,
+    }
+}
+
+fn from_result(job: &mut proto::Job, r: &JobResult) {
+    job.state = state_proto(r.status.into()) as i32;
+    job.spec_hash = r.spec_hash.clone();
+    job.attempts = r.attempts;
+    job.failed_attempts = r.failed_attempts;
+    job.recoveries = r.recoveries;
+    job.has_exit_code = r.exit_code.is_some();
+    job.exit_code = r.exit_code.unwrap_or_default();
+    job.signal = r.signal.unwrap_or_default();
+    job.error = r.error.clone().unwrap_or_default();
+    job.submitted_unix_ms = r.submitted_at_ms as i64;
+    job.started_unix_ms = r.started_at_ms as i64;
+    job.finished_unix_ms = r.finished_at_ms as i64;
+    job.log_tail = r.log_tail.clone();
+}
+
+fn from_registry(job: &mut proto::Job, e: &RegistryEntry) {
+    job.state = match e.status {
+        RegistryStatus::Pending => proto::JobState::Pending,
+        RegistryStatus::Running => proto::JobState::Running,
+    } as i32;
+    job.attempts = e.attempt;
+    job.failed_attempts = e.failed_attempts;
+    job.recoveries = e.recoveries;
+    job.error = e.last_error.clone().unwrap_or_default();
+    job.started_unix_ms = e.first_started_ms as i64;
+}
+
+/// The user's view of a job snapshot.
+pub fn job_view(s: &Snapshot) -> proto::Job {
+    let mut job = proto::Job {
+        job_id: s.id.clone(),
+        revision: s.revision,
+        cancel_requested: s.cancel.is_some(),
+        ..Default::default()
+    };
+    if let Some((e, _)) = &s.registry {
+        from_registry(&mut job, e);
+    }
+    if let Some((rec, _)) = &s.spec {
+        job.spec = Some(spec_proto(&rec.spec));
+        job.spec_hash = rec.spec_hash.clone();
+        job.submitted_unix_ms = rec.submitted_at_ms as i64;
+    }
+    if let Some(r) = s.result() {
+        from_result(&mut job, r);
+    }
+    job.cleanup = Some(cleanup_proto(s.result(), s.is_clean()));
+    if let Some(st) = s.state() {
+        job.state = state_proto(st) as i32;
+    }
+    job
+}
+
+fn resolve_spec(p: Option<proto::JobSpec>) -> Result<JobSpec, jobs::Error> {
+    let p = p.ok_or(spec::Invalid {
+        field: "spec",
+        reason: "is required".into(),
+    })?;
+    let timeout = match p.timeout {
+        None => None,
+        Some(d) => Some(Duration::try_from(d).map_err(|_| spec::Invalid {
+            field: "spec.timeout",
+            reason: "must not be negative".into(),
+        })?),
+    };
+    Ok(JobSpec::resolve(
+        p.command,
+        p.env.into_iter().collect::<BTreeMap<_, _>>(),
+        p.cleanup_command,
+        p.max_attempts,
+        timeout,
+    )?)
+}
+
+fn generated_id() -> String {
+    let mut buf = [0u8; 6];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut buf);
+    }
+    let r: String = buf.iter().map(|b| format!("{b:02x}")).collect();
+    format!("job-{:x}-{r}", crate::jobs::records::now_ms())
+}
+
+type JobStream = Pin<Box<dyn Stream<Item = Result<proto::Job, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl JobService for JobApi {
+    async fn submit_job(
+        &self,
+        req: Request<proto::SubmitJobRequest>,
+    ) -> Result<Response<proto::SubmitJobResponse>, Status> {
+        let req = req.into_inner();
+        let spec = resolve_spec(req.spec)?;
+        let id = if req.job_id.is_empty() {
+            generated_id()
+        } else {
+            req.job_id
+        };
+        let done = jobs::submit(&self.store, &self.keys, &id, spec).await?;
+        if done.created {
+            tracing::info!(job_id = %id, replica = %self.replica_id, "job submitted");
+        }
+        Ok(Response::new(proto::SubmitJobResponse {
+            job: Some(job_view(&done.snapshot)),
+            created: done.created,
+        }))
+    }
+
+    async fn get_job(
+        &self,
+        req: Request<proto::GetJobRequest>,
+    ) -> Result<Response<proto::Job>, Status> {
+        let id = req.into_inner().job_id;
+        let snap = jobs::read(&self.store, &self.keys, &id).await?;
+        if !snap.exists() {
+            return Err(jobs::Error::NotFound(id).into());
+        }
+        Ok(Response::new(job_view(&snap)))
+    }
+
+    async fn list_jobs(
+        &self,
+        req: Request<proto::ListJobsRequest>,
+    ) -> Result<Response<proto::ListJobsResponse>, Status> {
+        let req = req.into_inner();
+        let size = match req.page_size {
+            0 => 100,
+            n if n > 1000 => return Err(Status::invalid_argument("page_size: at most 1000")),
+            n => n as usize,
+        };
+        let state = proto::JobState::try_from(req.state)
+            .map_err(|_| Status::invalid_argument("state: unknown value"))?;
+        let cleanup = proto::CleanupState::try_from(req.cleanup)
+            .map_err(|_| Status::invalid_argument("cleanup: unknown value"))?;
+        let (mut rev, after) = parse_token(&req.page_token)?;
+        use proto::CleanupState as C;
+        use proto::JobState as S;
+        let active = matches!(state, S::Unspecified | S::Pending | S::Running)
+            && matches!(cleanup, C::Unspecified | C::CleanupNotStarted);
+        let terminal = matches!(
+            state,
+            S::Unspecified | S::Finished | S::Failed | S::Canceled
+        );
+        let mut prefixes = Vec::new();
+        if active {
+            prefixes.push(self.keys.registry());
+        }
+        if terminal && !matches!(cleanup, C::CleanupDone | C::CleanupNotStarted) {
+            prefixes.push(self.keys.dirty());
+        }
+        if terminal && matches!(cleanup, C::Unspecified | C::CleanupDone) {
+            prefixes.push(self.keys.clean());
+        }
+        let mut found: BTreeMap<String, proto::Job> = BTreeMap::new();
+        let mut more = false;
+        for prefix in &prefixes {
+            let (kvs, r) =
+                jobs::page_ids(&self.store, prefix, &after, size as i64 + 1, rev).await?;
+            rev = r;
+            more |= kvs.len() > size;
+            for kv in kvs.iter().take(size) {
+                let Some(id) = Keys::id_in(prefix, kv.key()) else {
+                    continue;
+                };
+                let mut job = proto::Job {
+                    job_id: id.to_string(),
+                    revision: rev,
+                    ..Default::default()
+                };
+                if *prefix == self.keys.registry() {
+                    let Ok(e) = codec::decode::<RegistryEntry>(
+                        kv.key(),
+                        kv.value(),
+                        crate::jobs::records::REGISTRY_VERSION,
+                    ) else {
+                        continue;
+                    };
+                    from_registry(&mut job, &e);
+                    job.cleanup = Some(cleanup_proto(None, false));
+                } else {
+                    let Ok(r) = codec::decode::<JobResult>(
+                        kv.key(),
+                        kv.value(),
+                        crate::jobs::records::RESULT_VERSION,
+                    ) else {
+                        continue;
+                    };
+                    from_result(&mut job, &r);
+                    job.cleanup = Some(cleanup_proto(Some(&r), *prefix == self.keys.clean()));
+                }
+                let keep = match state {
+                    S::Unspecified => true,
+                    s => job.state == s as i32,
+                } && match cleanup {
+                    C::Unspecified => true,
+                    c => job.cleanup.as_ref().is_some_and(|x| x.state == c as i32),
+                };
+                if keep {
+                    found.entry(job.job_id.clone()).or_insert(job);
+                }
+            }
+        }
+        let jobs: Vec<proto::Job> = found.into_values().take(size).collect();
+        let next_page_token = match (more || jobs.len() == size, jobs.last()) {
+            (true, Some(last)) => format!("{rev}/{}", last.job_id),
+            _ => String::new(),
+        };
+        Ok(Response::new(proto::ListJobsResponse {
+            jobs,
+            next_page_token,
+        }))
+    }
+
+    async fn cancel_job(
+        &self,
+        req: Request<proto::CancelJobRequest>,
+    ) -> Result<Response<proto::Job>, Status> {
+        let id = req.into_inner().job_id;
+        let snap = jobs::cancel(&self.store, &self.keys, &id, &self.replica_id).await?;
+        tracing::info!(job_id = %id, replica = %self.replica_id, "cancel requested");
+        Ok(Response::new(job_view(&snap)))
+    }
+
+    type WatchJobStream = JobStream;
+
+    async fn watch_job(
+        &self,
+        req: Request<proto::WatchJobRequest>,
+    ) -> Result<Response<JobStream>, Status> {
+        let id = req.into_inner().job_id;
+        let first = jobs::read(&self.store, &self.keys, &id).await?;
+        if !first.exists() {
+            return Err(jobs::Error::NotFound(id).into());
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let store = self.store.clone();
+        let keys = self.keys.clone();
+        tokio::spawn(async move {
+            if let Err(s) = watch_loop(&store, &keys, first, &tx).await {
+                let _ = tx.send(Err(s)).await;
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn get_job_logs(
+        &self,
+        req: Request<proto::GetJobLogsRequest>,
+    ) -> Result<Response<proto::GetJobLogsResponse>, Status> {
+        let req = req.into_inner();
+        let snap = jobs::read(&self.store, &self.keys, &req.job_id).await?;
+        if !snap.exists() {
+            return Err(jobs::Error::NotFound(req.job_id).into());
+        }
+        let latest = snap
+            .registry
+            .as_ref()
+            .map(|(e, _)| e.attempt)
+            .or(snap.result().map(|r| r.attempts))
+            .unwrap_or(0);
+        let attempt = if req.attempt == 0 {
+            latest
+        } else {
+            req.attempt
+        };
+        if attempt == 0 {
+            return Err(Status::failed_precondition(format!(
+                "job {} has not run yet",
+                req.job_id
+            )));
+        }
+        let tail = match req.tail_bytes {
+            0 => 64 * 1024,
+            n => n.min(4 * 1024 * 1024) as u64,
+        };
+        let dir = storage::job_dir(&self.storage_dir, &req.job_id);
+        let path = guard::log_path(&dir, &format!("attempt-{attempt}"));
+        let content = read_tail(&path, tail).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                match snap.result() {
+                    Some(r) => Status::not_found(format!(
+                        "the log of attempt {attempt} is gone (cleaned up); its last lines were:\n{}",
+                        r.log_tail
+                    )),
+                    None => Status::not_found(format!("no log for attempt {attempt}")),
+                }
+            } else {
+                Status::internal(format!("cannot read {}: {e}", path.display()))
+            }
+        })?;
+        Ok(Response::new(proto::GetJobLogsResponse {
+            attempt,
+            content,
+        }))
+    }
+}
+
+fn read_tail(path: &std::path::Path, n: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path)?;
+    let len = f.metadata()?.len();
+    f.seek(SeekFrom::Start(len.saturating_sub(n)))?;
+    let mut buf = Vec::new();
+    f.take(n).read_to_end(&mut buf)?;
+    Ok(buf)
+}
+
+fn parse_token(t: &str) -> Result<(i64, String), Status> {
+    if t.is_empty() {
+        return Ok((0, String::new()));
+    }
+    let bad = || Status::invalid_argument("page_token: not a token this API returned");
+    let (rev, id) = t.split_once('/').ok_or_else(bad)?;
+    let rev: i64 = rev.parse().map_err(|_| bad())?;
+    spec::validate_id(id).map_err(|_| bad())?;
+    Ok((rev, id.to_string()))
+}
+
+/// Sends the job each time it changes, until its cleanup is done.
+async fn watch_loop(
+    store: &Store,
+    keys: &Keys,
+    first: Snapshot,
+    tx: &tokio::sync::mpsc::Sender<Result<proto::Job, Status>>,
+) -> Result<(), Status> {
+    let id = first.id.clone();
+    let mut last = job_view(&first);
+    let mut rev = first.revision;
+    if tx.send(Ok(last.clone())).await.is_err() || first.is_clean() {
+        return Ok(());
+    }
+    let k = keys.job(&id);
+    let mut client = store.client();
+    let opts = |rev: i64| Some(WatchOptions::new().with_start_revision(rev + 1));
+    let mut stream = client
+        .watch(k.spec.clone(), opts(rev))
+        .await
+        .map_err(|e| Status::unavailable(format!("cannot watch job {id}: {e}")))?;
+    for key in [&k.registry, &k.dirty, &k.clean, &k.cancel] {
+        stream
+            .watch(key.clone(), opts(rev))
+            .await
+            .map_err(|e| Status::unavailable(format!("cannot watch job {id}: {e}")))?;
+    }
+    loop {
+        let msg = tokio::select! {
+            m = stream.message() => m,
+            _ = tx.closed() => return Ok(()),
+        };
+        match msg {
+            Ok(Some(resp)) => {
+                if resp.compact_revision() > 0 || resp.canceled() {
+                    return Err(Status::aborted(
+                        "the watch fell behind etcd's compaction; watch again",
+                    ));
+                }
+                let Some(at) = resp
+                    .events()
+                    .iter()
+                    .filter_map(|e| e.kv())
+                    .map(|kv| kv.mod_revision())
+                    .max()
+                else {
+                    continue;
+                };
+                if at <= rev {
+                    continue;
+                }
+                let snap = jobs::read(store, keys, &id).await?;
+                rev = snap.revision;
+                let view = job_view(&snap);
+                let changed = proto::Job {
+                    revision: 0,
+                    ..view.clone()
+                } != proto::Job {
+                    revision: 0,
+                    ..last.clone()
+                };
+                if changed {
+                    if tx.send(Ok(view.clone())).await.is_err() {
+                        return Ok(());
+                    }
+                    last = view;
+                }
+                if snap.is_clean() || !snap.exists() {
+                    return Ok(());
+                }
+            }
+            Ok(None) => return Err(Status::unavailable("the watch ended; watch again")),
+            Err(e) => return Err(Status::unavailable(format!("watch failed: {e}"))),
+        }
+    }
+}

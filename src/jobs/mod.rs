@@ -1,0 +1,305 @@
+//! Jobs as any replica sees them: submission, reads, cancel requests. None of this needs the
+//! leader, so submissions and reads keep working during a failover as long as etcd has quorum.
+//!
+//! Submission is one transaction that writes `jobs/<id>` and a PENDING `registry/<id>` only if
+//! no spec, registry, dirty or clean entry exists for the id. A retry with an identical spec
+//! (same hash) is answered with the existing job in whatever state; a different spec is refused.
+
+pub mod records;
+pub mod spec;
+
+use etcd_client::{
+    Compare, CompareOp, GetOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
+};
+
+use crate::store::codec::{self, Corrupt};
+use crate::store::{self, Keys, Store};
+use records::{CancelRequest, JobResult, RegistryEntry, RegistryStatus, TerminalStatus};
+use spec::{Invalid, JobRecord, JobSpec};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid request: {0}")]
+    Invalid(#[from] Invalid),
+    #[error("no job {0}")]
+    NotFound(String),
+    #[error("job {id} already exists with a different spec and is {}", if *.terminated { "globally terminated" } else { "still running" })]
+    AlreadyExists { id: String, terminated: bool },
+    #[error("job {0} has already reached a terminal state")]
+    Terminal(String),
+    #[error(transparent)]
+    Store(#[from] store::Error),
+    #[error(transparent)]
+    Corrupt(#[from] Corrupt),
+}
+
+/// The user-facing state of a job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum State {
+    Pending,
+    Running,
+    Finished,
+    Failed,
+    Canceled,
+}
+
+impl From<TerminalStatus> for State {
+    fn from(s: TerminalStatus) -> State {
+        match s {
+            TerminalStatus::Finished => State::Finished,
+            TerminalStatus::Failed => State::Failed,
+            TerminalStatus::Canceled => State::Canceled,
+        }
+    }
+}
+
+/// Everything etcd holds about one job, read at one revision.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    pub id: String,
+    /// The spec and its incarnation (the create revision of `jobs/<id>`).
+    pub spec: Option<(JobRecord, i64)>,
+    /// The registry entry and its mod revision.
+    pub registry: Option<(RegistryEntry, i64)>,
+    pub dirty: Option<JobResult>,
+    pub clean: Option<JobResult>,
+    pub cancel: Option<CancelRequest>,
+    pub revision: i64,
+}
+
+impl Snapshot {
+    pub fn exists(&self) -> bool {
+        self.spec.is_some()
+            || self.registry.is_some()
+            || self.dirty.is_some()
+            || self.clean.is_some()
+    }
+
+    pub fn result(&self) -> Option<&JobResult> {
+        self.dirty.as_ref().or(self.clean.as_ref())
+    }
+
+    pub fn state(&self) -> Option<State> {
+        if let Some(r) = self.result() {
+            return Some(r.status.into());
+        }
+        match &self.registry {
+            Some((e, _)) if e.status == RegistryStatus::Running => Some(State::Running),
+            Some(_) => Some(State::Pending),
+            None => None,
+        }
+    }
+
+    pub fn is_clean(&self) -> bool {
+        self.clean.is_some() && self.dirty.is_none()
+    }
+
+    pub fn spec_hash(&self) -> Option<&str> {
+        self.spec
+            .as_ref()
+            .map(|(r, _)| r.spec_hash.as_str())
+            .or_else(|| self.result().map(|r| r.spec_hash.as_str()))
+    }
+}
+
+fn gets(keys: &Keys, id: &str) -> Vec<TxnOp> {
+    let k = keys.job(id);
+    [k.spec, k.registry, k.dirty, k.clean, k.cancel]
+        .into_iter()
+        .map(|key| TxnOp::get(key, None))
+        .collect()
+}
+
+/// Builds a snapshot from the answers to [`gets`], in order.
+fn snapshot_from(
+    id: &str,
+    revision: i64,
+    answers: Vec<TxnOpResponse>,
+) -> Result<Snapshot, Corrupt> {
+    let mut kvs = answers.into_iter().map(|a| match a {
+        TxnOpResponse::Get(g) => g.kvs().first().cloned(),
+        _ => None,
+    });
+    let mut next = || kvs.next().flatten();
+    let spec = next();
+    let registry = next();
+    let dirty = next();
+    let clean = next();
+    let cancel = next();
+    Ok(Snapshot {
+        id: id.to_string(),
+        spec: spec
+            .map(|kv| {
+                Ok::<_, Corrupt>((
+                    codec::decode(kv.key(), kv.value(), spec::JOB_RECORD_VERSION)?,
+                    kv.create_revision(),
+                ))
+            })
+            .transpose()?,
+        registry: registry
+            .map(|kv| {
+                Ok::<_, Corrupt>((
+                    codec::decode(kv.key(), kv.value(), records::REGISTRY_VERSION)?,
+                    kv.mod_revision(),
+                ))
+            })
+            .transpose()?,
+        dirty: dirty
+            .map(|kv| codec::decode(kv.key(), kv.value(), records::RESULT_VERSION))
+            .transpose()?,
+        clean: clean
+            .map(|kv| codec::decode(kv.key(), kv.value(), records::RESULT_VERSION))
+            .transpose()?,
+        cancel: cancel
+            .map(|kv| codec::decode(kv.key(), kv.value(), records::CANCEL_VERSION))
+            .transpose()?,
+        revision,
+    })
+}
+
+/// Reads every key of one job in one transaction (one consistent revision).
+pub async fn read(store: &Store, keys: &Keys, id: &str) -> Result<Snapshot, Error> {
+    spec::validate_id(id)?;
+    let mut c = store.client();
+    let resp = store
+        .timed("read job", c.txn(Txn::new().and_then(gets(keys, id))))
+        .await?;
+    let rev = resp.header().map(|h| h.revision()).unwrap_or(0);
+    Ok(snapshot_from(id, rev, resp.op_responses())?)
+}
+
+/// Outcome of a submission.
+#[derive(Debug)]
+pub struct Submitted {
+    pub snapshot: Snapshot,
+    /// False when an identical earlier submission was found.
+    pub created: bool,
+}
+
+/// Submits `spec` as job `id`. See the module doc for the idempotence rules.
+pub async fn submit(
+    store: &Store,
+    keys: &Keys,
+    id: &str,
+    spec: JobSpec,
+) -> Result<Submitted, Error> {
+    spec::validate_id(id)?;
+    let k = keys.job(id);
+    let hash = spec.hash();
+    let record = JobRecord {
+        version: spec::JOB_RECORD_VERSION,
+        job_id: id.to_string(),
+        spec,
+        spec_hash: hash.clone(),
+        submitted_at_ms: records::now_ms(),
+    };
+    let absent = |key: &str| Compare::version(key, CompareOp::Equal, 0);
+    let txn = Txn::new()
+        .when([
+            absent(&k.spec),
+            absent(&k.registry),
+            absent(&k.dirty),
+            absent(&k.clean),
+        ])
+        .and_then([
+            TxnOp::put(k.spec.clone(), codec::encode(&record), None),
+            TxnOp::put(
+                k.registry.clone(),
+                codec::encode(&RegistryEntry::pending()),
+                None,
+            ),
+        ])
+        .or_else(gets(keys, id));
+    let mut c = store.client();
+    let resp = store.timed("submit", c.txn(txn)).await?;
+    let rev = resp.header().map(|h| h.revision()).unwrap_or(0);
+    if resp.succeeded() {
+        let snapshot = Snapshot {
+            id: id.to_string(),
+            spec: Some((record, rev)),
+            registry: Some((RegistryEntry::pending(), rev)),
+            revision: rev,
+            ..Snapshot::default()
+        };
+        return Ok(Submitted {
+            snapshot,
+            created: true,
+        });
+    }
+    let existing = snapshot_from(id, rev, resp.op_responses())?;
+    if existing.spec_hash() == Some(hash.as_str()) {
+        return Ok(Submitted {
+            snapshot: existing,
+            created: false,
+        });
+    }
+    Err(Error::AlreadyExists {
+        id: id.to_string(),
+        terminated: existing.result().is_some(),
+    })
+}
+
+/// Requests cancellation. Only a job with a registry entry (PENDING or RUNNING) can be
+/// cancelled; the leader acts on the request.
+pub async fn cancel(store: &Store, keys: &Keys, id: &str, via: &str) -> Result<Snapshot, Error> {
+    spec::validate_id(id)?;
+    let k = keys.job(id);
+    let req = CancelRequest {
+        version: records::CANCEL_VERSION,
+        requested_at_ms: records::now_ms(),
+        requested_via: via.to_string(),
+    };
+    let txn = Txn::new()
+        .when([Compare::version(k.registry.clone(), CompareOp::Greater, 0)])
+        .and_then([TxnOp::put(k.cancel.clone(), codec::encode(&req), None)]);
+    let mut c = store.client();
+    let resp = store.timed("cancel", c.txn(txn)).await?;
+    let snap = read(store, keys, id).await?;
+    if resp.succeeded() {
+        return Ok(snap);
+    }
+    if snap.result().is_some() {
+        Err(Error::Terminal(id.to_string()))
+    } else {
+        Err(Error::NotFound(id.to_string()))
+    }
+}
+
+/// One page of job ids under `prefix`, after `after` (exclusive), at most `limit`.
+pub async fn page_ids(
+    store: &Store,
+    prefix: &str,
+    after: &str,
+    limit: i64,
+    revision: i64,
+) -> Result<(Vec<etcd_client::KeyValue>, i64), Error> {
+    let start = if after.is_empty() {
+        prefix.to_string()
+    } else {
+        format!("{prefix}{after}\0")
+    };
+    let end = prefix_end(prefix);
+    let mut opts = GetOptions::new()
+        .with_range(end)
+        .with_limit(limit)
+        .with_sort(SortTarget::Key, SortOrder::Ascend);
+    if revision > 0 {
+        opts = opts.with_revision(revision);
+    }
+    let mut c = store.client();
+    let resp = store.timed("list", c.get(start, Some(opts))).await?;
+    let rev = resp.header().map(|h| h.revision()).unwrap_or(revision);
+    Ok((resp.kvs().to_vec(), rev))
+}
+
+/// The first key after every key with this prefix.
+pub fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}

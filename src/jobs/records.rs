@@ -1,0 +1,127 @@
+//! The values the leader and the submitters keep per job, besides the spec:
+//! `registry/<id>` (RunningJobRegistry: PENDING or RUNNING only), `results/{dirty,clean}/<id>`
+//! (JobResultStore), and `cancel/<id>` (a cancel request, a key of its own so that no replica
+//! ever rewrites a value the leader owns).
+
+use serde::{Deserialize, Serialize};
+
+pub const REGISTRY_VERSION: u32 = 1;
+pub const RESULT_VERSION: u32 = 1;
+pub const CANCEL_VERSION: u32 = 1;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum RegistryStatus {
+    Pending,
+    Running,
+}
+
+/// `registry/<id>`. There is no DONE: done-ness lives in the result store.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegistryEntry {
+    pub version: u32,
+    pub status: RegistryStatus,
+    /// Launches so far, recoveries included (`BATON_ATTEMPT` of the latest one).
+    pub attempt: u32,
+    /// Attempts that failed (counted against `max_attempts`).
+    pub failed_attempts: u32,
+    /// Launches that restarted a job another leader was running.
+    pub recoveries: u32,
+    /// The term that wrote this entry.
+    pub term: i64,
+    /// Unix ms before which a PENDING job must not start (retry backoff).
+    #[serde(default)]
+    pub not_before_ms: u64,
+    /// Unix ms of the first launch.
+    #[serde(default)]
+    pub first_started_ms: u64,
+    #[serde(default)]
+    pub last_error: Option<String>,
+}
+
+impl RegistryEntry {
+    pub fn pending() -> RegistryEntry {
+        RegistryEntry {
+            version: REGISTRY_VERSION,
+            status: RegistryStatus::Pending,
+            attempt: 0,
+            failed_attempts: 0,
+            recoveries: 0,
+            term: 0,
+            not_before_ms: 0,
+            first_started_ms: 0,
+            last_error: None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum TerminalStatus {
+    Finished,
+    Failed,
+    Canceled,
+}
+
+/// Where the dirty-to-clean cleanup of a result stands.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CleanupProgress {
+    /// Stages completed (0: none).
+    #[serde(default)]
+    pub stage: u32,
+    #[serde(default)]
+    pub attempts: u32,
+    #[serde(default)]
+    pub last_error: Option<String>,
+    #[serde(default)]
+    pub next_retry_ms: u64,
+    #[serde(default)]
+    pub needs_operator: bool,
+    #[serde(default)]
+    pub done_ms: u64,
+}
+
+/// `results/dirty/<id>` and `results/clean/<id>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobResult {
+    pub version: u32,
+    pub job_id: String,
+    pub status: TerminalStatus,
+    #[serde(default)]
+    pub exit_code: Option<i32>,
+    #[serde(default)]
+    pub signal: Option<i32>,
+    #[serde(default)]
+    pub error: Option<String>,
+    pub attempts: u32,
+    pub failed_attempts: u32,
+    pub recoveries: u32,
+    pub submitted_at_ms: u64,
+    #[serde(default)]
+    pub started_at_ms: u64,
+    pub finished_at_ms: u64,
+    pub spec_hash: String,
+    /// The last few KiB of the final attempt's output.
+    #[serde(default)]
+    pub log_tail: String,
+    /// The term that recorded it.
+    pub term: i64,
+    #[serde(default)]
+    pub cleanup: CleanupProgress,
+}
+
+/// `cancel/<id>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelRequest {
+    pub version: u32,
+    pub requested_at_ms: u64,
+    pub requested_via: String,
+}
+
+/// Unix milliseconds now.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,298 @@
+//! The submitted job: its spec, limits on it, and the `jobs/<id>` record (Flink's JobGraphStore).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Limits on what a submission may carry; documented in the README.
+pub mod limits {
+    pub const ID_MAX: usize = 128;
+    pub const COMMAND_ARGS_MAX: usize = 256;
+    pub const ARG_BYTES_MAX: usize = 8 * 1024;
+    pub const ENV_ENTRIES_MAX: usize = 128;
+    pub const ENV_VALUE_BYTES_MAX: usize = 8 * 1024;
+    pub const SPEC_BYTES_MAX: usize = 64 * 1024;
+    pub const MAX_ATTEMPTS_MAX: u32 = 100;
+    pub const TIMEOUT_MAX_SECS: u64 = 7 * 24 * 3600;
+}
+
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+/// What to run. Zero values in the request mean "the default" and are resolved before storing,
+/// so the stored spec says exactly what will happen.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobSpec {
+    pub command: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub cleanup_command: Vec<String>,
+    pub max_attempts: u32,
+    #[serde(with = "humantime_serde_secs")]
+    pub timeout: Duration,
+}
+
+/// A bad submission: which field, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct Invalid {
+    pub field: &'static str,
+    pub reason: String,
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> Invalid {
+    Invalid {
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// Job ids go into etcd keys and folder names: `[A-Za-z0-9._-]`, 1 to 128 characters, and not
+/// `.` or `..`.
+pub fn validate_id(id: &str) -> Result<(), Invalid> {
+    if id.is_empty() || id.len() > limits::ID_MAX {
+        return Err(invalid(
+            "job_id",
+            format!("must be 1 to {} characters", limits::ID_MAX),
+        ));
+    }
+    if !id
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+    {
+        return Err(invalid("job_id", "may only contain [A-Za-z0-9._-]"));
+    }
+    if id == "." || id == ".." {
+        return Err(invalid("job_id", "must not be . or .."));
+    }
+    Ok(())
+}
+
+impl JobSpec {
+    /// Checks every limit and resolves defaults.
+    pub fn resolve(
+        command: Vec<String>,
+        env: BTreeMap<String, String>,
+        cleanup_command: Vec<String>,
+        max_attempts: u32,
+        timeout: Option<Duration>,
+    ) -> Result<JobSpec, Invalid> {
+        if command.is_empty() || command[0].is_empty() {
+            return Err(invalid("spec.command", "must name a program to run"));
+        }
+        for (field, args) in [
+            ("spec.command", &command),
+            ("spec.cleanup_command", &cleanup_command),
+        ] {
+            if args.len() > limits::COMMAND_ARGS_MAX {
+                return Err(invalid(
+                    field,
+                    format!(
+                        "has {} arguments; at most {}",
+                        args.len(),
+                        limits::COMMAND_ARGS_MAX
+                    ),
+                ));
+            }
+            if let Some(a) = args.iter().find(|a| a.len() > limits::ARG_BYTES_MAX) {
+                return Err(invalid(
+                    field,
+                    format!(
+                        "an argument has {} bytes; at most {}",
+                        a.len(),
+                        limits::ARG_BYTES_MAX
+                    ),
+                ));
+            }
+            if args.iter().any(|a| a.contains('\0')) {
+                return Err(invalid(field, "arguments must not contain NUL bytes"));
+            }
+        }
+        if !cleanup_command.is_empty() && cleanup_command[0].is_empty() {
+            return Err(invalid(
+                "spec.cleanup_command",
+                "must name a program to run",
+            ));
+        }
+        if env.len() > limits::ENV_ENTRIES_MAX {
+            return Err(invalid(
+                "spec.env",
+                format!(
+                    "has {} entries; at most {}",
+                    env.len(),
+                    limits::ENV_ENTRIES_MAX
+                ),
+            ));
+        }
+        for (k, v) in &env {
+            let name_ok = !k.is_empty()
+                && !k.starts_with(|c: char| c.is_ascii_digit())
+                && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !name_ok {
+                return Err(invalid(
+                    "spec.env",
+                    format!("{k:?} is not a valid variable name"),
+                ));
+            }
+            if k.starts_with("BATON_") {
+                return Err(invalid(
+                    "spec.env",
+                    format!("{k} is reserved: BATON_* variables are set by Baton"),
+                ));
+            }
+            if v.len() > limits::ENV_VALUE_BYTES_MAX || v.contains('\0') {
+                return Err(invalid(
+                    "spec.env",
+                    format!("the value of {k} is too long or has a NUL byte"),
+                ));
+            }
+        }
+        let max_attempts = match max_attempts {
+            0 => DEFAULT_MAX_ATTEMPTS,
+            n if n > limits::MAX_ATTEMPTS_MAX => {
+                return Err(invalid(
+                    "spec.max_attempts",
+                    format!("{n} is more than {}", limits::MAX_ATTEMPTS_MAX),
+                ))
+            }
+            n => n,
+        };
+        let timeout = match timeout {
+            None => DEFAULT_TIMEOUT,
+            Some(t) if t.is_zero() => DEFAULT_TIMEOUT,
+            Some(t) if t.as_secs() > limits::TIMEOUT_MAX_SECS => {
+                return Err(invalid("spec.timeout", "is more than 7 days"))
+            }
+            Some(t) if t < Duration::from_millis(100) => {
+                return Err(invalid("spec.timeout", "is less than 100ms"))
+            }
+            Some(t) => t,
+        };
+        let spec = JobSpec {
+            command,
+            env,
+            cleanup_command,
+            max_attempts,
+            timeout,
+        };
+        let bytes = serde_json::to_vec(&spec).expect("a spec serializes").len();
+        if bytes > limits::SPEC_BYTES_MAX {
+            return Err(invalid(
+                "spec",
+                format!(
+                    "is {bytes} bytes as stored; at most {}",
+                    limits::SPEC_BYTES_MAX
+                ),
+            ));
+        }
+        Ok(spec)
+    }
+
+    /// A stable digest of the resolved spec: identical re-submissions are recognised by it, even
+    /// after the spec itself was removed by cleanup.
+    pub fn hash(&self) -> String {
+        let canonical = serde_json::to_vec(self).expect("a spec serializes");
+        format!("{:016x}", fnv1a64(&canonical))
+    }
+}
+
+/// FNV-1a, 64 bit: stable across versions and platforms, which `std`'s hasher is not.
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in bytes {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// `jobs/<id>`: written at submission, removed when cleanup completes. Its create revision is the
+/// job's *incarnation*: every per-job leader write compares it, so an event about an earlier job
+/// of the same id changes nothing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobRecord {
+    pub version: u32,
+    pub job_id: String,
+    pub spec: JobSpec,
+    pub spec_hash: String,
+    /// Unix milliseconds.
+    pub submitted_at_ms: u64,
+}
+
+pub const JOB_RECORD_VERSION: u32 = 1;
+
+/// Durations stored as fractional seconds, readable in `etcdctl get`.
+mod humantime_serde_secs {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let secs = f64::deserialize(d)?;
+        if !(0.0..=1e9).contains(&secs) {
+            return Err(serde::de::Error::custom("duration out of range"));
+        }
+        Ok(Duration::from_secs_f64(secs))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cmd(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn defaults_resolve_and_hash_is_stable() {
+        let a = JobSpec::resolve(cmd(&["true"]), BTreeMap::new(), vec![], 0, None).unwrap();
+        assert_eq!(a.max_attempts, DEFAULT_MAX_ATTEMPTS);
+        assert_eq!(a.timeout, DEFAULT_TIMEOUT);
+        let b = JobSpec::resolve(
+            cmd(&["true"]),
+            BTreeMap::new(),
+            vec![],
+            3,
+            Some(Duration::ZERO),
+        )
+        .unwrap();
+        assert_eq!(a.hash(), b.hash());
+        let c = JobSpec::resolve(cmd(&["false"]), BTreeMap::new(), vec![], 0, None).unwrap();
+        assert_ne!(a.hash(), c.hash());
+    }
+
+    #[test]
+    fn bad_input_names_the_field() {
+        let e = JobSpec::resolve(vec![], BTreeMap::new(), vec![], 0, None).unwrap_err();
+        assert_eq!(e.field, "spec.command");
+        let e = JobSpec::resolve(cmd(&["x"]), BTreeMap::new(), vec![], 1000, None).unwrap_err();
+        assert_eq!(e.field, "spec.max_attempts");
+        let big = "x".repeat(limits::ARG_BYTES_MAX + 1);
+        let e = JobSpec::resolve(vec![big], BTreeMap::new(), vec![], 0, None).unwrap_err();
+        assert_eq!(e.field, "spec.command");
+        let env = BTreeMap::from([("BATON_JOB_ID".to_string(), "x".to_string())]);
+        assert_eq!(
+            JobSpec::resolve(cmd(&["x"]), env, vec![], 0, None)
+                .unwrap_err()
+                .field,
+            "spec.env"
+        );
+        let many: Vec<String> = (0..100).map(|_| "y".repeat(4000)).collect();
+        assert_eq!(
+            JobSpec::resolve(many, BTreeMap::new(), vec![], 0, None)
+                .unwrap_err()
+                .field,
+            "spec"
+        );
+        assert!(validate_id("job-1.a_b").is_ok());
+        assert!(validate_id("a/b").is_err());
+        assert!(validate_id("..").is_err());
+        assert!(validate_id(&"a".repeat(129)).is_err());
+    }
+}

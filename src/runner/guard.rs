@@ -1,0 +1,388 @@
+//! The lease guard: `baton __guard`, the direct parent of every job process.
+//!
+//! A paused leader cannot kill anything, yet its lease expires and another replica starts the
+//! same jobs. So each job runs under this small synchronous process, which the leader feeds its
+//! proven lease deadline through a pipe (stdin) at every keepalive. The guard:
+//! - never starts the job if the first deadline it receives has already passed (minus margin);
+//! - kills the job's whole process group by itself at `deadline - margin` without a renewal;
+//! - kills it at once when the pipe closes or the leader's thread dies (parent-death signal);
+//! - enforces the attempt's timeout and a cancel (SIGTERM, then SIGKILL after a grace period);
+//! - after reaping the job, kills what is left of its group and writes the exit record
+//!   `attempt-<n>.exit` (atomically), so a new leader records that result instead of running a
+//!   finished job again.
+//!
+//! Protocol on stdin, one line each: `D <boottime ns>` (a new deadline), `TERM` (cancel), `KILL`.
+
+use std::fs::OpenOptions;
+use std::io::{BufRead, BufReader, Read};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use clap::Args;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::signal::{killpg, SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::unistd::{getppid, Pid};
+use serde::{Deserialize, Serialize};
+
+use crate::clock::BootInstant;
+
+/// Exit code of a guard that did not start its job (the deadline had passed, or no deadline came).
+pub const NOT_STARTED: i32 = 75;
+
+#[derive(Debug, Clone, Args)]
+pub struct GuardArgs {
+    #[arg(long)]
+    pub job_id: String,
+    #[arg(long)]
+    pub attempt: u32,
+    #[arg(long)]
+    pub term: i64,
+    /// The job's folder; the log and exit record go here.
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Name of the log and exit files (`attempt-<n>` for jobs, `cleanup-<n>` for cleanups).
+    #[arg(long)]
+    pub name: String,
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub margin: Duration,
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
+    pub kill_grace: Duration,
+    /// The command and its arguments.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+/// Why the guard ended the job, if it did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KilledBy {
+    /// The lease deadline passed without a renewal.
+    Deadline,
+    /// The leader went away (pipe closed, or parent-death signal).
+    LeaderGone,
+    Timeout,
+    Cancel,
+}
+
+/// `attempt-<n>.exit`: what happened to one execution.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitRecord {
+    pub version: u32,
+    pub job_id: String,
+    pub attempt: u32,
+    pub term: i64,
+    pub pid: i32,
+    pub started_boottime_ns: u64,
+    pub ended_boottime_ns: u64,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub killed_by: Option<KilledBy>,
+}
+
+pub const EXIT_RECORD_VERSION: u32 = 1;
+
+pub fn exit_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!("{name}.exit"))
+}
+
+pub fn log_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!("{name}.log"))
+}
+
+/// Reads an exit record; `None` if absent or unreadable (a torn write cannot happen: it is
+/// renamed into place).
+pub fn read_exit(dir: &Path, name: &str) -> Option<ExitRecord> {
+    let bytes = std::fs::read(exit_path(dir, name)).ok()?;
+    serde_json::from_slice(&bytes).ok()
+}
+
+/// Runs the guard; returns the process exit code.
+pub fn run(args: GuardArgs) -> i32 {
+    match guard(args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("baton guard: {e}");
+            70
+        }
+    }
+}
+
+fn guard(args: GuardArgs) -> std::io::Result<i32> {
+    // Signals that mean "the leader is gone or wants us to stop" arrive on a descriptor, so the
+    // loop below never misses one between checks.
+    let mut mask = SigSet::empty();
+    for s in [
+        Signal::SIGHUP,
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGPIPE,
+    ] {
+        mask.add(s);
+    }
+    mask.thread_block().map_err(std::io::Error::from)?;
+    let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .map_err(std::io::Error::from)?;
+
+    let stdin = std::io::stdin();
+    let mut feed = Feed::new(stdin.as_fd().try_clone_to_owned()?);
+    let first = BootInstant::now() + Duration::from_secs(5);
+    let mut deadline = loop {
+        if let Some(d) = feed.deadline {
+            break d;
+        }
+        if feed.closed || BootInstant::now() >= first {
+            return Ok(NOT_STARTED);
+        }
+        feed.wait(Duration::from_millis(100))?;
+    };
+    if BootInstant::now() + args.margin >= deadline {
+        return Ok(NOT_STARTED);
+    }
+
+    std::fs::create_dir_all(&args.dir)?;
+    let log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_path(&args.dir, &args.name))?;
+    let guard_pid = std::process::id() as i32;
+    let mut cmd = Command::new(&args.command[0]);
+    cmd.args(&args.command[1..])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .current_dir(&args.dir)
+        .process_group(0);
+    unsafe {
+        cmd.pre_exec(move || {
+            // The job dies with its guard; and if the guard died before this line, exit.
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
+            if getppid().as_raw() != guard_pid {
+                std::process::exit(NOT_STARTED);
+            }
+            // The signals the guard blocks must not stay blocked in the job.
+            SigSet::all().thread_unblock().map_err(std::io::Error::from)
+        });
+    }
+    let started = BootInstant::now();
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let rec = ExitRecord {
+                version: EXIT_RECORD_VERSION,
+                job_id: args.job_id.clone(),
+                attempt: args.attempt,
+                term: args.term,
+                pid: 0,
+                started_boottime_ns: started.as_nanos(),
+                ended_boottime_ns: BootInstant::now().as_nanos(),
+                exit_code: Some(127),
+                signal: None,
+                killed_by: None,
+            };
+            eprintln!("baton guard: cannot start {:?}: {e}", args.command[0]);
+            write_exit(&args, &rec)?;
+            return Ok(0);
+        }
+    };
+    let pid = child.id() as i32;
+    let group = Pid::from_raw(pid);
+    let pidfd = pidfd_open(pid)?;
+    let timeout_at = started + args.timeout;
+    let mut killed_by: Option<KilledBy> = None;
+    let mut kill_at: Option<BootInstant> = None;
+
+    loop {
+        let now = BootInstant::now();
+        if killed_by.is_none() {
+            let reason = if feed.closed {
+                Some(KilledBy::LeaderGone)
+            } else if now + args.margin >= deadline {
+                Some(KilledBy::Deadline)
+            } else if now >= timeout_at {
+                Some(KilledBy::Timeout)
+            } else if feed.kill {
+                Some(KilledBy::Cancel)
+            } else {
+                None
+            };
+            if let Some(r) = reason {
+                let _ = killpg(group, Signal::SIGKILL);
+                killed_by = Some(r);
+            } else if feed.term && kill_at.is_none() {
+                let _ = killpg(group, Signal::SIGTERM);
+                kill_at = Some(now + args.kill_grace);
+            }
+        }
+        if let Some(at) = kill_at {
+            if now >= at && killed_by.is_none() {
+                let _ = killpg(group, Signal::SIGKILL);
+                killed_by = Some(KilledBy::Cancel);
+            }
+        }
+        if let Some(status) = child.try_wait()? {
+            // Nothing of the job may outlive its attempt: kill what is left of its group.
+            let _ = killpg(group, Signal::SIGKILL);
+            let killed_by = killed_by.or(if feed.term {
+                Some(KilledBy::Cancel)
+            } else {
+                None
+            });
+            let rec = ExitRecord {
+                version: EXIT_RECORD_VERSION,
+                job_id: args.job_id.clone(),
+                attempt: args.attempt,
+                term: args.term,
+                pid,
+                started_boottime_ns: started.as_nanos(),
+                ended_boottime_ns: BootInstant::now().as_nanos(),
+                exit_code: status.code(),
+                signal: status.signal(),
+                killed_by,
+            };
+            write_exit(&args, &rec)?;
+            return Ok(0);
+        }
+        // Sleep until the job exits, the leader speaks, a signal comes, or the next deadline;
+        // at most 100 ms, as poll's clock stops while the host is suspended.
+        let mut next = deadline - args.margin;
+        next = next.min(timeout_at);
+        if let Some(at) = kill_at {
+            next = next.min(at);
+        }
+        let wait = now.until(next).min(Duration::from_millis(100));
+        let mut fds = [
+            PollFd::new(feed.fd.as_fd(), PollFlags::POLLIN),
+            PollFd::new(pidfd.as_fd(), PollFlags::POLLIN),
+            PollFd::new(signals.as_fd(), PollFlags::POLLIN),
+        ];
+        if feed.closed {
+            fds[0] = PollFd::new(pidfd.as_fd(), PollFlags::POLLIN);
+        }
+        let _ = poll(
+            &mut fds,
+            PollTimeout::try_from(wait).unwrap_or(PollTimeout::MAX),
+        );
+        let sig_ready = fds[2].revents().is_some_and(|r| !r.is_empty());
+        if sig_ready {
+            while let Ok(Some(_)) = signals.read_signal() {}
+            feed.closed = true;
+        }
+        if !feed.closed {
+            feed.read_available()?;
+            if let Some(d) = feed.deadline {
+                deadline = deadline.max(d);
+            }
+        }
+    }
+}
+
+fn write_exit(args: &GuardArgs, rec: &ExitRecord) -> std::io::Result<()> {
+    let path = exit_path(&args.dir, &args.name);
+    let tmp = path.with_extension("exit.tmp");
+    std::fs::write(
+        &tmp,
+        serde_json::to_vec(rec).expect("exit record serializes"),
+    )?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, &path)
+}
+
+fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
+    let fd = unsafe { nix::libc::syscall(nix::libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// The leader's messages on stdin, read without blocking.
+struct Feed {
+    fd: OwnedFd,
+    buf: Vec<u8>,
+    deadline: Option<BootInstant>,
+    term: bool,
+    kill: bool,
+    closed: bool,
+}
+
+impl Feed {
+    fn new(fd: OwnedFd) -> Feed {
+        let _ = nix::fcntl::fcntl(
+            fd.as_fd(),
+            nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+        );
+        Feed {
+            fd,
+            buf: Vec::new(),
+            deadline: None,
+            term: false,
+            kill: false,
+            closed: false,
+        }
+    }
+
+    fn wait(&mut self, at_most: Duration) -> std::io::Result<()> {
+        let mut fds = [PollFd::new(self.fd.as_fd(), PollFlags::POLLIN)];
+        let _ = poll(
+            &mut fds,
+            PollTimeout::try_from(at_most).unwrap_or(PollTimeout::MAX),
+        );
+        self.read_available()
+    }
+
+    fn read_available(&mut self) -> std::io::Result<()> {
+        let mut file = unsafe { std::fs::File::from_raw_fd(self.fd.as_raw_fd()) };
+        let mut chunk = [0u8; 4096];
+        let result = loop {
+            match file.read(&mut chunk) {
+                Ok(0) => {
+                    self.closed = true;
+                    break Ok(());
+                }
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => break Err(e),
+            }
+        };
+        // The descriptor belongs to `self.fd`; do not close it here.
+        std::mem::forget(file);
+        let lines: Vec<String> = BufReader::new(&self.buf[..])
+            .lines()
+            .map_while(Result::ok)
+            .collect();
+        let complete = self.buf.ends_with(b"\n");
+        let keep = if complete {
+            0
+        } else {
+            lines.last().map_or(0, |l| l.len())
+        };
+        let n = if complete {
+            lines.len()
+        } else {
+            lines.len().saturating_sub(1)
+        };
+        for line in &lines[..n] {
+            let line = line.trim();
+            if let Some(ns) = line.strip_prefix("D ") {
+                if let Ok(ns) = ns.parse::<u64>() {
+                    let d = BootInstant::from_nanos(ns);
+                    self.deadline = Some(self.deadline.map_or(d, |old| old.max(d)));
+                }
+            } else if line == "TERM" {
+                self.term = true;
+            } else if line == "KILL" {
+                self.kill = true;
+            }
+        }
+        let tail = self.buf.len() - keep;
+        self.buf.drain(..tail);
+        result
+    }
+}
