@@ -275,3 +275,122 @@ pub fn events_of<'a>(events: &'a [RoleEvent], replica: &str) -> Vec<&'a RoleEven
 pub fn ms(d: Duration) -> u128 {
     d.as_millis()
 }
+
+pub use baton::proto::job_service_client::JobServiceClient;
+pub use baton::proto::{
+    CancelJobRequest, GetJobRequest, Job, JobSpec, JobState, SubmitJobRequest, WatchJobRequest,
+};
+
+pub type Jobs = JobServiceClient<tonic::transport::Channel>;
+
+pub async fn jobs_at(addr: SocketAddr) -> Jobs {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to {addr}: {e}"));
+    JobServiceClient::new(ch)
+}
+
+/// A spec running `sh -c script`.
+pub fn sh(script: &str) -> JobSpec {
+    JobSpec {
+        command: vec!["sh".into(), "-c".into(), script.into()],
+        ..Default::default()
+    }
+}
+
+impl Cluster {
+    pub async fn jobs(&self, i: usize) -> Jobs {
+        jobs_at(self.replicas[i].listen()).await
+    }
+
+    pub async fn submit(&self, i: usize, id: &str, spec: JobSpec) -> Job {
+        let mut c = self.jobs(i).await;
+        c.submit_job(SubmitJobRequest {
+            job_id: id.into(),
+            spec: Some(spec),
+        })
+        .await
+        .unwrap_or_else(|s| panic!("submit {id}: {s}"))
+        .into_inner()
+        .job
+        .unwrap()
+    }
+
+    pub async fn get_job(&self, i: usize, id: &str) -> Option<Job> {
+        let mut c = self.jobs(i).await;
+        c.get_job(GetJobRequest { job_id: id.into() })
+            .await
+            .ok()
+            .map(|r| r.into_inner())
+    }
+
+    /// Waits until job `id`, read through any live replica in `via`, satisfies `ok`.
+    pub async fn wait_job(
+        &self,
+        via: &[usize],
+        id: &str,
+        within: Duration,
+        what: &str,
+        ok: impl Fn(&Job) -> bool,
+    ) -> Job {
+        wait_for(&format!("job {id} to be {what}"), within, || async {
+            for &i in via {
+                if let Some(j) = self.get_job(i, id).await {
+                    return ok(&j).then_some(j);
+                }
+            }
+            None
+        })
+        .await
+    }
+
+    pub fn job_dir(&self, id: &str) -> PathBuf {
+        self.storage().join("jobs").join(id)
+    }
+
+    pub fn exit_record(&self, id: &str, attempt: u32) -> Option<baton::runner::guard::ExitRecord> {
+        baton::runner::guard::read_exit(&self.job_dir(id), &format!("attempt-{attempt}"))
+    }
+
+    /// Waits for any replica in `among` to lead with a term above `above`; returns its index.
+    pub async fn wait_new_leader(&self, among: &[usize], above: i64) -> (usize, LeaderInfo) {
+        let l = self
+            .wait_leader(among, self.ttl * 3 + Duration::from_secs(10), |t| t > above)
+            .await;
+        (self.index_of(&l.replica_id), l)
+    }
+}
+
+pub fn state(j: &Job) -> JobState {
+    JobState::try_from(j.state).unwrap_or(JobState::Unspecified)
+}
+
+pub fn terminal(j: &Job) -> bool {
+    matches!(
+        state(j),
+        JobState::Finished | JobState::Failed | JobState::Canceled
+    )
+}
+
+/// Whether a process is alive (a zombie counts as dead).
+pub fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
+            .unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+pub fn read_pids(path: &std::path::Path) -> Vec<i32> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
