@@ -1,6 +1,6 @@
 //! Test harness: a real etcd (own temp dir, free loopback ports), real `baton serve` processes,
 //! and fault proxies between replicas and etcd. Every wait is a condition with a deadline.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::future::Future;
 use std::net::SocketAddr;
