@@ -622,3 +622,113 @@ async fn a_replica_with_another_storage_folder_refuses_to_start() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_fail_attempts_and_queued_jobs_start_in_submission_order() {
+    let c = Cluster::start(opts(&["--max-running", "1"]));
+    leader_index(&c).await;
+    let mut slow = sh("sleep 30");
+    slow.max_attempts = 1;
+    slow.timeout = Some(prost_types::Duration {
+        seconds: 0,
+        nanos: 300_000_000,
+    });
+    c.submit(0, "slow", slow).await;
+    for id in ["q1", "q2", "q3"] {
+        c.submit(1, id, sh("true")).await;
+    }
+    let s = c.wait_job(&[2], "slow", LONG, "terminal", terminal).await;
+    assert_eq!(state(&s), JobState::Failed);
+    assert!(s.error.contains("timed out after 300ms"), "{}", s.error);
+    for id in ["q1", "q2", "q3"] {
+        c.wait_job(&[2], id, LONG, "finished", terminal).await;
+    }
+    let starts: Vec<u64> = ["q1", "q2", "q3"]
+        .iter()
+        .map(|id| c.exit_record(id, 1).unwrap().started_boottime_ns)
+        .collect();
+    assert!(starts[0] < starts[1] && starts[1] < starts[2], "{starts:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_recoveries_stops_a_job_from_crash_looping_the_cluster() {
+    let mut c = Cluster::start(opts(&["--max-recoveries", "0"]));
+    let (k, old) = leader_index(&c).await;
+    c.submit(
+        0,
+        "fragile",
+        sh("echo run >> $BATON_JOB_DIR/runs; sleep 60"),
+    )
+    .await;
+    wait_until("the job to start", LONG, || {
+        c.job_dir("fragile").join("runs").exists()
+    })
+    .await;
+    c.replicas[k].sigkill();
+    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    c.wait_new_leader(&rest, old.term).await;
+    let j = c
+        .wait_job(&rest, "fragile", LONG, "terminal", terminal)
+        .await;
+    assert_eq!(state(&j), JobState::Failed);
+    assert!(j.error.contains("--max-recoveries 0"), "{}", j.error);
+    let runs = std::fs::read_to_string(c.job_dir("fragile").join("runs")).unwrap();
+    assert_eq!(runs.lines().count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_submits_waits_lists_cancels_and_shows_logs() {
+    let c = Cluster::start(Options::default());
+    leader_index(&c).await;
+    let eps: Vec<String> = c.replicas.iter().map(|r| r.listen().to_string()).collect();
+    // A dead endpoint first: the CLI moves on to the next one.
+    let dead = format!("127.0.0.1:{}", baton::devcluster::free_port());
+    let endpoints = format!("{dead},{}", eps.join(","));
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(BIN)
+            .args(["job", args[0], "--endpoints", &endpoints])
+            .args(&args[1..])
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, out, err) = run(&[
+        "submit",
+        "--id",
+        "cli-1",
+        "--env",
+        "GREETING=hi",
+        "--",
+        "sh",
+        "-c",
+        "echo $GREETING; exit 3",
+    ]);
+    assert_eq!(code, Some(0), "{out} {err}");
+    assert!(out.contains("submitted cli-1"), "{out}");
+    let (code, out, _) = run(&["wait", "cli-1"]);
+    assert_eq!(code, Some(3), "wait exits with the job's exit code: {out}");
+    let (_, out, _) = run(&["logs", "cli-1"]);
+    assert_eq!(out, "hi\n");
+    let (_, out, _) = run(&["get", "cli-1", "-o", "json"]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["exit_code"], 3);
+    let (_, out, _) = run(&["submit", "--id", "cli-2", "--", "sleep", "60"]);
+    assert!(out.contains("submitted"));
+    c.wait_job(&[0], "cli-2", LONG, "running", |j| {
+        state(j) == JobState::Running
+    })
+    .await;
+    let (_, out, _) = run(&["list", "--state", "running"]);
+    assert!(out.contains("cli-2") && !out.contains("cli-1"), "{out}");
+    let (code, _, _) = run(&["cancel", "cli-2"]);
+    assert_eq!(code, Some(0));
+    let (code, out, _) = run(&["wait", "cli-2"]);
+    assert_eq!(code, Some(130), "{out}");
+    let (code, _, err) = run(&["cancel", "cli-2"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("terminal"), "{err}");
+}
