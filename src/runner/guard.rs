@@ -249,13 +249,14 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
             return Ok(0);
         }
         // Sleep until the job exits, the leader speaks, a signal comes, or the next deadline;
-        // at most 100 ms, as poll's clock stops while the host is suspended.
+        // at most half the margin, as poll's clock stops while the host is suspended.
         let mut next = deadline - args.margin;
         next = next.min(timeout_at);
         if let Some(at) = kill_at {
             next = next.min(at);
         }
-        let wait = now.until(next).min(Duration::from_millis(100));
+        let cap = (args.margin / 2).clamp(Duration::from_millis(20), Duration::from_secs(1));
+        let wait = now.until(next).min(cap);
         let mut fds = [
             PollFd::new(feed.fd.as_fd(), PollFlags::POLLIN),
             PollFd::new(pidfd.as_fd(), PollFlags::POLLIN),

@@ -486,8 +486,12 @@ async fn transition(
     };
 
     if let Some(done) = exited {
-        if done.incarnation != incarnation || done.registry_rev != registry_rev {
+        if done.incarnation != incarnation {
             return Outcome::Idle;
+        }
+        if done.registry_rev != registry_rev {
+            // Someone else wrote the entry meanwhile: look again, as a job not running here.
+            return Outcome::Retry;
         }
         let dir = storage::job_dir(&ctx.config.storage_dir, id);
         let rec = guard::read_exit(&dir, &format!("attempt-{}", done.attempt));
