@@ -34,7 +34,7 @@ pub enum LogFormat {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run one replica.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Run a private etcd and N replicas on loopback, for trying Baton out.
     Dev(DevArgs),
     /// Inspect or move leadership.
@@ -243,6 +243,27 @@ pub struct ServeArgs {
     /// After a cancel's SIGTERM, how long a job has before SIGKILL.
     #[arg(long, env = "BATON_KILL_GRACE", value_parser = humantime::parse_duration, default_value = "10s")]
     pub kill_grace: Duration,
+    /// First delay before retrying a failed cleanup stage (exponential, with jitter).
+    #[arg(long, env = "BATON_CLEANUP_INITIAL_DELAY", value_parser = humantime::parse_duration, default_value = "1s")]
+    pub cleanup_initial_delay: Duration,
+    /// Longest delay between cleanup retries.
+    #[arg(long, env = "BATON_CLEANUP_MAX_DELAY", value_parser = humantime::parse_duration, default_value = "1h")]
+    pub cleanup_max_delay: Duration,
+    /// Cleanup attempts before a result is marked as needing an operator; 0: unlimited.
+    #[arg(long, env = "BATON_CLEANUP_MAX_ATTEMPTS", default_value_t = 0)]
+    pub cleanup_max_attempts: u32,
+    /// Cleanups running at once.
+    #[arg(long, env = "BATON_CLEANUP_CONCURRENCY", default_value_t = 8)]
+    pub cleanup_concurrency: usize,
+    /// Bound on one run of a job's cleanup command.
+    #[arg(long, env = "BATON_CLEANUP_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10m")]
+    pub cleanup_timeout: Duration,
+    /// How long clean results are kept (they answer GetJob and decide re-submissions).
+    #[arg(long, env = "BATON_RESULT_RETENTION", value_parser = humantime::parse_duration, default_value = "7d")]
+    pub result_retention: Duration,
+    /// Test and drill hook: stop each cleanup after recording this stage.
+    #[arg(long, env = "BATON_CLEANUP_PAUSE_AFTER_STAGE", hide = true)]
+    pub cleanup_pause_after_stage: Option<u32>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -303,6 +324,18 @@ impl ServeArgs {
                 "--retry-initial-delay must be above 0 and at most --retry-max-delay".into(),
             ));
         }
+        if self.cleanup_concurrency == 0 {
+            return Err(ConfigError(
+                "--cleanup-concurrency must be at least 1".into(),
+            ));
+        }
+        if self.cleanup_initial_delay.is_zero()
+            || self.cleanup_initial_delay > self.cleanup_max_delay
+        {
+            return Err(ConfigError(
+                "--cleanup-initial-delay must be above 0 and at most --cleanup-max-delay".into(),
+            ));
+        }
         if self.etcd.etcd_endpoints.iter().all(|e| e.trim().is_empty()) {
             return Err(ConfigError("--etcd-endpoints is empty".into()));
         }
@@ -352,7 +385,7 @@ mod tests {
         let mut v = vec!["baton", "serve", "--replica-id", "r1"];
         v.extend_from_slice(args);
         match Cli::parse_from(v).command {
-            Command::Serve(s) => s,
+            Command::Serve(s) => *s,
             _ => unreachable!(),
         }
     }

@@ -6,6 +6,7 @@
 //! dev`, drills and tests), `rolelog` (the audit trail of leadership).
 
 pub mod api;
+pub mod cleanup;
 pub mod cli;
 pub mod clock;
 pub mod config;

@@ -85,11 +85,20 @@ pub struct RoleEvent {
     pub reason: Option<String>,
 }
 
-/// Reads the role events out of JSON log text; other lines are skipped.
-pub fn parse(text: &str) -> Vec<RoleEvent> {
-    text.lines()
+/// Reads the role events out of JSON log text; lines of other targets are skipped. A role line
+/// that does not parse is an error (it could hide a term), except an unterminated last line,
+/// which a writer may still be appending.
+pub fn parse(text: &str) -> Result<Vec<RoleEvent>, String> {
+    let complete = match text.rfind('\n') {
+        Some(i) => &text[..i],
+        None => "",
+    };
+    complete
+        .lines()
         .filter(|l| l.contains(TARGET))
-        .filter_map(|l| serde_json::from_str(l).ok())
+        .map(|l| {
+            serde_json::from_str(l).map_err(|e| format!("unreadable role log line ({e}): {l}"))
+        })
         .collect()
 }
 
@@ -154,6 +163,13 @@ pub struct Overlap {
 
 /// Checks that the terms, sorted by start, never overlap and that terms only grow.
 pub fn check_terms(terms: &[TermInterval]) -> Result<(), Box<Overlap>> {
+    if let Some(t) = terms.iter().find(|t| t.end < t.start) {
+        // A term published after its own promised end: it was used while already invalid.
+        return Err(Box::new(Overlap {
+            earlier: t.clone(),
+            later: t.clone(),
+        }));
+    }
     for pair in terms.windows(2) {
         let (a, b) = (&pair[0], &pair[1]);
         if b.start < a.end || b.term <= a.term {

@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{self, ClusterApi, JobApi};
+use crate::cleanup::CleanupConfig;
 use crate::config::{ConfigError, ServeArgs};
 use crate::election::{self, ElectionConfig, Role};
 use crate::runner::{self, storage, RunnerConfig};
@@ -34,6 +35,8 @@ pub enum Error {
     Signals(#[source] std::io::Error),
     #[error(transparent)]
     Storage(#[from] storage::Error),
+    #[error("the election task failed: {0}")]
+    Crashed(String),
     #[error("cannot find the baton binary to run job guards")]
     GuardBinary(#[source] std::io::Error),
 }
@@ -86,6 +89,15 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         retry_max: args.retry_max_delay,
         kill_grace: args.kill_grace,
         margin: config.margin,
+        cleanup: CleanupConfig {
+            initial_delay: args.cleanup_initial_delay,
+            max_delay: args.cleanup_max_delay,
+            max_attempts: args.cleanup_max_attempts,
+            concurrency: args.cleanup_concurrency,
+            timeout: args.cleanup_timeout,
+            retention: args.result_retention,
+            pause_after_stage: args.cleanup_pause_after_stage,
+        },
     };
     tokio::spawn(runner::run(
         store.clone(),
@@ -112,11 +124,14 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         api_stop.clone(),
     ));
 
-    let _ = election.await;
+    let finished = election.await;
     api_stop.cancel();
     match tokio::time::timeout(Duration::from_secs(5), server).await {
         Ok(Ok(r)) => r?,
         Ok(Err(_)) | Err(_) => tracing::warn!("API did not drain in time"),
+    }
+    if let Err(e) = finished {
+        return Err(Error::Crashed(e.to_string()));
     }
     tracing::info!(replica = %replica_id, "replica stopped");
     Ok(())
@@ -133,6 +148,14 @@ fn spawn_signal_handler(shutdown: CancellationToken) -> Result<(), Error> {
         };
         tracing::info!(signal = name, "shutting down: handing over leadership");
         shutdown.cancel();
+        // A second signal means "now": exit at once; the guards' pipes close and they kill
+        // the jobs, and the lease expires.
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        tracing::warn!("second signal: exiting without finishing the handover");
+        std::process::exit(1);
     });
     Ok(())
 }

@@ -12,9 +12,15 @@ use tonic::Code;
 
 const LONG: Duration = Duration::from_secs(30);
 
+/// Cleanup is held at stage 0 here, so the job folders (exit records, logs) stay for the
+/// assertions; tests/cleanup.rs covers cleanup.
 fn opts(extra: &[&str]) -> Options {
     Options {
-        extra_args: extra.iter().map(|s| s.to_string()).collect(),
+        extra_args: ["--cleanup-pause-after-stage", "0"]
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect(),
         ..Options::default()
     }
 }
@@ -68,7 +74,7 @@ async fn a_job_finishes_and_a_failing_one_is_retried_with_backoff_then_failed() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_ids_return_the_same_job_or_are_refused() {
-    let c = Cluster::start(Options::default());
+    let c = Cluster::start(opts(&[]));
     leader_index(&c).await;
     let spec = sh("sleep 2");
     let first = c.submit(0, "dup", spec.clone()).await;
@@ -268,7 +274,7 @@ async fn a_cancel_followed_by_a_leader_kill_is_never_restarted() {
 async fn submissions_succeed_while_there_is_no_leader_and_run_later() {
     let mut c = Cluster::start(Options {
         ttl: Duration::from_secs(5),
-        ..Options::default()
+        ..opts(&[])
     });
     let (k, old) = leader_index(&c).await;
     c.replicas[k].sigkill();
@@ -293,7 +299,7 @@ async fn submissions_succeed_while_there_is_no_leader_and_run_later() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_of_the_leader_restarts_running_jobs_as_recovered_and_leaves_no_process_behind() {
-    let mut c = Cluster::start(Options::default());
+    let mut c = Cluster::start(opts(&[]));
     let (k, old) = leader_index(&c).await;
     let script = "env | grep ^BATON_ > $BATON_JOB_DIR/env-$BATON_ATTEMPT; \
                   if [ \"$BATON_ATTEMPT\" = 1 ]; then \
@@ -344,7 +350,7 @@ async fn sigkill_of_the_leader_restarts_running_jobs_as_recovered_and_leaves_no_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_leaders_guard_kills_the_job_before_the_next_leader_starts_it() {
-    let c = Cluster::start(Options::default());
+    let c = Cluster::start(opts(&[]));
     let (k, old) = leader_index(&c).await;
     c.submit(
         0,
@@ -380,7 +386,7 @@ async fn a_paused_leaders_guard_kills_the_job_before_the_next_leader_starts_it()
 async fn a_job_that_exited_before_the_leader_died_is_recorded_from_its_exit_file() {
     let mut c = Cluster::start(Options {
         ttl: Duration::from_secs(5),
-        ..Options::default()
+        ..opts(&[])
     });
     let (k, old) = leader_index(&c).await;
     c.submit(
@@ -501,7 +507,7 @@ async fn a_thousand_jobs_survive_two_leader_kills() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_refused_with_the_field_named_and_corrupt_values_block_nothing() {
-    let c = Cluster::start(Options::default());
+    let c = Cluster::start(opts(&[]));
     leader_index(&c).await;
     let mut jobs = c.jobs(0).await;
     let bad = |id: &str, spec: Option<JobSpec>| {
@@ -678,7 +684,7 @@ async fn max_recoveries_stops_a_job_from_crash_looping_the_cluster() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_submits_waits_lists_cancels_and_shows_logs() {
-    let c = Cluster::start(Options::default());
+    let c = Cluster::start(opts(&[]));
     leader_index(&c).await;
     let eps: Vec<String> = c.replicas.iter().map(|r| r.listen().to_string()).collect();
     // A dead endpoint first: the CLI moves on to the next one.

@@ -59,6 +59,7 @@ async fn sigkill_of_the_leader_elects_a_new_one_with_a_higher_term() {
         .await;
     // Followers keep campaigning longer than etcd's request timeout (3 s): a campaign must not be
     // cut by a per-request timeout.
+    let before = c.candidate_keys().await;
     let since = Instant::now();
     wait_until(
         "followers to wait in campaign past the request timeout",
@@ -66,6 +67,11 @@ async fn sigkill_of_the_leader_elects_a_new_one_with_a_higher_term() {
         || since.elapsed() > Duration::from_secs(4),
     )
     .await;
+    assert_eq!(
+        c.candidate_keys().await,
+        before,
+        "the followers' campaigns were restarted while waiting"
+    );
     let k = c.index_of(&old.replica_id);
     let killed_at = Instant::now();
     c.replicas[k].sigkill();

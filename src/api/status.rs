@@ -13,7 +13,7 @@ impl From<jobs::Error> for Status {
             Invalid(_) => Status::invalid_argument(msg),
             NotFound(_) => Status::not_found(msg),
             AlreadyExists { .. } => Status::already_exists(msg),
-            Terminal(_) => Status::failed_precondition(msg),
+            Terminal(_) | NotDirty(_) => Status::failed_precondition(msg),
             Store(_) => Status::unavailable(msg),
             Corrupt(_) => Status::data_loss(msg),
         }

@@ -10,7 +10,9 @@
 //! - When `valid_until - margin` is reached without a renewal, or etcd says the lease is gone,
 //!   [`Lease::lost`] is cancelled; it is never un-cancelled. A lost lease is never reused.
 
-use std::sync::Arc;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper};
@@ -18,9 +20,10 @@ use tokio::sync::watch;
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
+use super::Term;
 use crate::clock::BootInstant;
 use crate::rolelog;
-use crate::store::{self, Store};
+use crate::store::{self, EtcdConfig, Store};
 
 /// A granted lease, renewed in the background until [`Lease::stop`] or drop.
 pub struct Lease {
@@ -30,6 +33,8 @@ pub struct Lease {
     valid_until: Arc<watch::Sender<BootInstant>>,
     lost: CancellationToken,
     stop: CancellationToken,
+    term: Arc<OnceLock<Term>>,
+    replica: String,
 }
 
 /// Proof that etcd had the lease alive: it answered a keepalive sent at `sent`.
@@ -64,8 +69,11 @@ impl Lease {
             valid_until: Arc::new(tx),
             lost: CancellationToken::new(),
             stop: CancellationToken::new(),
+            term: Arc::new(OnceLock::new()),
+            replica: replica.to_owned(),
         };
         let keeper = Keeper {
+            term: lease.term.clone(),
             store: store.clone(),
             id: lease.id,
             ttl,
@@ -109,15 +117,19 @@ impl Lease {
         &self.lost
     }
 
-    /// Records a proof obtained elsewhere (the post-campaign check).
+    /// Records a proof obtained elsewhere (the post-campaign check), logged like the keeper's.
     pub fn record(&self, proof: Proof) {
-        self.valid_until.send_if_modified(|v| {
-            let newer = proof.valid_until > *v;
-            if newer {
-                *v = proof.valid_until;
-            }
-            newer
-        });
+        if proof.valid_until > self.valid_until() {
+            rolelog::lease_proven(&self.replica, self.id, proof.sent, proof.valid_until);
+            self.valid_until
+                .send_modify(|v| *v = (*v).max(proof.valid_until));
+        }
+    }
+
+    /// Binds the term this lease carries: when the lease is lost, the keeper thread itself ends
+    /// the term, so the step-down is logged on time even while the main runtime is stalled.
+    pub fn bind(&self, term: &Term) {
+        let _ = self.term.set(term.clone());
     }
 
     /// Stops renewing. The lease then expires unless revoked first.
@@ -167,9 +179,10 @@ fn proof(sent: BootInstant, ttl_secs: i64) -> Option<Proof> {
     })
 }
 
-const RETRY_AFTER_ERROR: Duration = Duration::from_millis(100);
+const RETRY_AFTER_FAILURE: Duration = Duration::from_millis(50);
 
 struct Keeper {
+    term: Arc<OnceLock<Term>>,
     store: Store,
     id: i64,
     ttl: Duration,
@@ -185,6 +198,47 @@ enum Renewal {
     Gone,
 }
 
+/// One etcd connection of the keeper's own, and the keepalive stream on it.
+struct Conn {
+    client: Client,
+    stream: Option<(LeaseKeeper, LeaseKeepAliveStream)>,
+}
+
+type Attempt = Pin<Box<dyn Future<Output = (Option<Conn>, Result<Renewal, String>)> + Send>>;
+
+/// One keepalive, bounded by `per_call`; on a new connection when `conn` is `None`. A failed
+/// attempt returns no connection, so the next one opens a fresh one.
+fn attempt(
+    config: EtcdConfig,
+    conn: Option<Conn>,
+    id: i64,
+    ttl: Duration,
+    per_call: Duration,
+) -> Attempt {
+    Box::pin(async move {
+        let sent = BootInstant::now();
+        let work = async {
+            let mut conn = match conn {
+                Some(c) => c,
+                None => Conn {
+                    client: Store::fresh_client(&config)
+                        .await
+                        .map_err(|e| e.to_string())?,
+                    stream: None,
+                },
+            };
+            let r = renew(&mut conn.client, &mut conn.stream, id, ttl, sent).await;
+            Ok::<_, String>((conn, r))
+        };
+        match tokio::time::timeout(per_call, work).await {
+            Ok(Ok((conn, Ok(r)))) => (Some(conn), Ok(r)),
+            Ok(Ok((_, Err(e)))) => (None, Err(e.to_string())),
+            Ok(Err(e)) => (None, Err(e)),
+            Err(_) => (None, Err(format!("unanswered within {per_call:?}"))),
+        }
+    })
+}
+
 impl Keeper {
     fn run(self) {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -194,18 +248,31 @@ impl Keeper {
         rt.block_on(self.keep());
     }
 
+    /// The lease can no longer be proven: end the bound term (logging its step-down from this
+    /// thread, which nothing can starve), then mark the lease lost.
+    fn lose(&self, reason: &str) {
+        if let Some(term) = self.term.get() {
+            term.end(reason);
+        }
+        self.lost.cancel();
+    }
+
     async fn keep(self) {
         let period = self.ttl / 3;
         let per_call = self.ttl / 4;
+        let config = self.store.config().clone();
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Skip);
         // Polled, not slept until the deadline: tokio's clock stops while the host is suspended,
         // CLOCK_BOOTTIME does not.
         let mut watchdog = tokio::time::interval((self.margin / 4).min(Duration::from_millis(50)));
         watchdog.set_missed_tick_behavior(MissedTickBehavior::Skip);
-        let mut client = self.store.client();
-        let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
-        let mut fresh = false;
+        // Every connection of the keeper is opened here, on its own runtime: a client made on
+        // the main runtime would have its I/O driven by the main runtime's workers.
+        let mut conn: Option<Conn> = None;
+        let mut inflight: Option<Attempt> = None;
+        let mut retry: Option<Pin<Box<tokio::time::Sleep>>> = None;
+        let mut retried = false;
         loop {
             tokio::select! {
                 biased;
@@ -213,50 +280,44 @@ impl Keeper {
                 _ = watchdog.tick() => {
                     if BootInstant::now() + self.margin >= *self.valid_until.borrow() {
                         tracing::warn!(lease = self.id, "lease not proven within the step-down margin");
-                        self.lost.cancel();
+                        self.lose("lease not proven alive within the step-down margin");
                         return;
                     }
                 }
-                _ = ticker.tick() => {
-                    if fresh {
-                        match tokio::time::timeout(per_call, Store::fresh_client(self.store.config())).await {
-                            Ok(Ok(c)) => { client = c; fresh = false; }
-                            Ok(Err(e)) => { tracing::warn!(lease = self.id, error = %e, "reconnect for keepalive failed"); continue; }
-                            Err(_) => { tracing::warn!(lease = self.id, "reconnect for keepalive timed out"); continue; }
-                        }
-                    }
-                    let sent = BootInstant::now();
-                    let attempt = renew(&mut client, &mut stream, self.id, self.ttl, sent);
-                    match tokio::time::timeout(per_call, attempt).await {
-                        Ok(Ok(Renewal::Proven(p))) => {
-                            let newer = self.valid_until.send_if_modified(|v| {
-                                let newer = p.valid_until > *v;
-                                if newer { *v = p.valid_until; }
-                                newer
-                            });
-                            if newer {
+                (back, outcome) = async { inflight.as_mut().expect("guarded").await }, if inflight.is_some() => {
+                    inflight = None;
+                    conn = back;
+                    match outcome {
+                        Ok(Renewal::Proven(p)) => {
+                            if p.valid_until > *self.valid_until.borrow() {
+                                // Logged before it is used, so the log bounds what the term relied on.
                                 rolelog::lease_proven(&self.replica, self.id, p.sent, p.valid_until);
+                                self.valid_until.send_modify(|v| *v = (*v).max(p.valid_until));
                             }
                         }
-                        Ok(Ok(Renewal::Gone)) => {
+                        Ok(Renewal::Gone) => {
                             tracing::warn!(lease = self.id, "etcd says the lease is gone");
-                            self.lost.cancel();
+                            self.lose("etcd says the lease is gone");
                             return;
                         }
-                        Ok(Err(e)) => {
+                        Err(e) => {
                             tracing::warn!(lease = self.id, error = %e, "keepalive failed; retrying on a fresh connection");
-                            stream = None;
-                            fresh = true;
-                            // An error (unlike a timeout) arrives early: retry at once instead
-                            // of losing a whole period.
-                            ticker.reset_after(RETRY_AFTER_ERROR);
-                        }
-                        Err(_) => {
-                            tracing::warn!(lease = self.id, timeout = ?per_call, "keepalive unanswered; next one on a fresh connection");
-                            stream = None;
-                            fresh = true;
+                            // Once per period, retry at once rather than waiting for the next tick.
+                            if !retried {
+                                retried = true;
+                                retry = Some(Box::pin(tokio::time::sleep(RETRY_AFTER_FAILURE)));
+                            }
                         }
                     }
+                }
+                _ = async { retry.as_mut().expect("guarded").await }, if retry.is_some() && inflight.is_none() => {
+                    retry = None;
+                    inflight = Some(attempt(config.clone(), conn.take(), self.id, self.ttl, per_call));
+                }
+                _ = ticker.tick(), if inflight.is_none() => {
+                    retried = false;
+                    retry = None;
+                    inflight = Some(attempt(config.clone(), conn.take(), self.id, self.ttl, per_call));
                 }
             }
         }

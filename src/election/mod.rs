@@ -169,14 +169,23 @@ pub async fn run(
             }
         };
         let term = match confirm(&store, &config, &lease, key).await {
-            Ok(t) => t,
+            Ok(t) if !shutdown.is_cancelled() && t.is_valid() => t,
+            Ok(t) => {
+                // Confirmed too late to use, or shutting down: hand the key back unannounced.
+                t.end("not published");
+                lease.revoke(&store).await;
+                continue;
+            }
             Err(e) => {
                 tracing::warn!(error = %e, lease = lease.id(), "campaign win not confirmed; campaigning again with a new lease");
                 lease.revoke(&store).await;
+                pause(&mut retry, &shutdown).await;
                 continue;
             }
         };
         retry = retry_backoff();
+        lease.bind(&term);
+        term.publish();
         rolelog::became_leader(
             &config.replica_id,
             term.revision(),
@@ -212,7 +221,9 @@ async fn campaign(
         elected_at: None,
     };
     let value = serde_json::to_vec(&record).expect("a candidate record serializes");
-    let mut client = store.client();
+    // A connection of its own per campaign: a campaign answer lost on a half-dead shared
+    // connection would leave etcd naming a leader that does not know it leads.
+    let mut client = Store::fresh_client(store.config()).await?;
     let campaign = client.campaign(keys.election(), value, lease.id());
     tokio::pin!(campaign);
     loop {
@@ -250,10 +261,17 @@ pub async fn confirm(
         store.clone(),
     );
     let mut client = store.client();
-    let proven = store.timed(
-        "keepalive",
-        prove_once(&mut client, lease.id(), lease.ttl()),
-    );
+    let per_call = lease.ttl() / 4;
+    let proven = async {
+        match tokio::time::timeout(per_call, prove_once(&mut client, lease.id(), lease.ttl())).await
+        {
+            Ok(r) => r.map_err(store::Error::etcd("keepalive")),
+            Err(_) => Err(store::Error::Timeout {
+                op: "keepalive",
+                timeout: per_call,
+            }),
+        }
+    };
     let record = CandidateRecord {
         version: RECORD_VERSION,
         replica_id: config.replica_id.clone(),
@@ -285,6 +303,8 @@ async fn hold(
     commands: &mut mpsc::Receiver<Command>,
     shutdown: &CancellationToken,
 ) -> (String, Option<oneshot::Sender<Result<i64, Error>>>) {
+    // Its own deadline check too: the term ends on time even if the keeper thread died.
+    let mut deadline = tokio::time::interval(Duration::from_millis(50));
     loop {
         tokio::select! {
             _ = term.ended() => {
@@ -294,6 +314,11 @@ async fn hold(
                     "term ended"
                 };
                 return (reason.into(), None);
+            }
+            _ = deadline.tick() => {
+                if term.check().is_err() {
+                    continue;
+                }
             }
             _ = shutdown.cancelled() => return ("shutdown".into(), None),
             Some(cmd) = commands.recv() => match cmd {

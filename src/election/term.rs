@@ -64,6 +64,7 @@ struct Inner {
     valid_until: watch::Receiver<BootInstant>,
     ended: CancellationToken,
     ended_once: AtomicBool,
+    published: AtomicBool,
     work: TaskTracker,
     store: Store,
 }
@@ -95,6 +96,7 @@ impl Term {
             valid_until,
             ended: lease_lost.child_token(),
             ended_once: AtomicBool::new(false),
+            published: AtomicBool::new(false),
             work: TaskTracker::new(),
             store,
         }))
@@ -136,15 +138,24 @@ impl Term {
         !self.0.ended.is_cancelled() && BootInstant::now() + self.0.margin < self.valid_until()
     }
 
-    /// The synchronous guard before every side effect.
+    /// The synchronous guard before every side effect. A lease that is no longer proven ends
+    /// the term here and then, so the term can never become valid again (one-way).
     pub fn check(&self) -> Result<(), FenceError> {
         if self.is_valid() {
-            Ok(())
-        } else {
-            Err(FenceError::Deposed {
-                term: self.revision(),
-            })
+            return Ok(());
         }
+        if !self.has_ended() {
+            self.end("lease not proven alive within the step-down margin");
+        }
+        Err(FenceError::Deposed {
+            term: self.revision(),
+        })
+    }
+
+    /// Marks the term as announced (its `became_leader` is logged); only a published term logs
+    /// its step-down.
+    pub(crate) fn publish(&self) {
+        self.0.published.store(true, Ordering::SeqCst);
     }
 
     /// Resolves when the term has ended, for whatever reason.
@@ -229,6 +240,9 @@ impl Term {
             return false;
         }
         self.0.ended.cancel();
+        if !self.0.published.load(Ordering::SeqCst) {
+            return true;
+        }
         let info = &self.0.info;
         rolelog::stepped_down(
             &info.replica_id,

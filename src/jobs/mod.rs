@@ -27,6 +27,8 @@ pub enum Error {
     AlreadyExists { id: String, terminated: bool },
     #[error("job {0} has already reached a terminal state")]
     Terminal(String),
+    #[error("{0}")]
+    NotDirty(String),
     #[error(transparent)]
     Store(#[from] store::Error),
     #[error(transparent)]
@@ -64,6 +66,10 @@ pub struct Snapshot {
     pub dirty: Option<JobResult>,
     pub clean: Option<JobResult>,
     pub cancel: Option<CancelRequest>,
+    /// The mod revision of the dirty result (0 if none): cleanup writes compare it.
+    pub dirty_rev: i64,
+    /// An operator asked for an immediate cleanup retry.
+    pub cleanup_now: bool,
     pub revision: i64,
 }
 
@@ -104,10 +110,17 @@ impl Snapshot {
 
 fn gets(keys: &Keys, id: &str) -> Vec<TxnOp> {
     let k = keys.job(id);
-    [k.spec, k.registry, k.dirty, k.clean, k.cancel]
-        .into_iter()
-        .map(|key| TxnOp::get(key, None))
-        .collect()
+    [
+        k.spec,
+        k.registry,
+        k.dirty,
+        k.clean,
+        k.cancel,
+        k.cleanup_now,
+    ]
+    .into_iter()
+    .map(|key| TxnOp::get(key, None))
+    .collect()
 }
 
 /// Builds a snapshot from the answers to [`gets`], in order.
@@ -126,6 +139,8 @@ fn snapshot_from(
     let dirty = next();
     let clean = next();
     let cancel = next();
+    let cleanup_now = next().is_some();
+    let dirty_rev = dirty.as_ref().map_or(0, |kv| kv.mod_revision());
     Ok(Snapshot {
         id: id.to_string(),
         spec: spec
@@ -153,6 +168,8 @@ fn snapshot_from(
         cancel: cancel
             .map(|kv| codec::decode(kv.key(), kv.value(), records::CANCEL_VERSION))
             .transpose()?,
+        dirty_rev,
+        cleanup_now,
         revision,
     })
 }
@@ -260,6 +277,37 @@ pub async fn cancel(store: &Store, keys: &Keys, id: &str, via: &str) -> Result<S
     }
     if snap.result().is_some() {
         Err(Error::Terminal(id.to_string()))
+    } else {
+        Err(Error::NotFound(id.to_string()))
+    }
+}
+
+/// Asks the leader to retry a pending or exhausted cleanup at once, through a request key of
+/// its own (the dirty entry belongs to the leader).
+pub async fn request_cleanup(store: &Store, keys: &Keys, id: &str) -> Result<Snapshot, Error> {
+    spec::validate_id(id)?;
+    let k = keys.job(id);
+    let txn = Txn::new()
+        .when([Compare::version(k.dirty.clone(), CompareOp::Greater, 0)])
+        .and_then([TxnOp::put(
+            k.cleanup_now.clone(),
+            format!(
+                "{{\"version\":1,\"requested_at_ms\":{}}}",
+                records::now_ms()
+            ),
+            None,
+        )]);
+    let mut c = store.client();
+    let resp = store.timed("cleanup request", c.txn(txn)).await?;
+    let snap = read(store, keys, id).await?;
+    if resp.succeeded() {
+        Ok(snap)
+    } else if snap.clean.is_some() {
+        Err(Error::NotDirty(format!("job {id} is already clean")))
+    } else if snap.exists() {
+        Err(Error::NotDirty(format!(
+            "job {id} has not reached a terminal state; there is nothing to clean up yet"
+        )))
     } else {
         Err(Error::NotFound(id.to_string()))
     }

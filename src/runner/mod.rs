@@ -51,12 +51,14 @@ pub struct RunnerConfig {
     pub retry_max: Duration,
     pub kill_grace: Duration,
     pub margin: Duration,
+    pub cleanup: crate::cleanup::CleanupConfig,
 }
 
-struct Ctx {
-    store: Store,
-    keys: Keys,
-    config: RunnerConfig,
+/// What every leader task of the runner shares.
+pub struct Ctx {
+    pub(crate) store: Store,
+    pub(crate) keys: Keys,
+    pub(crate) config: RunnerConfig,
 }
 
 /// Follows the role channel and leads every term this replica wins.
@@ -68,7 +70,7 @@ pub async fn run(store: Store, keys: Keys, config: RunnerConfig, mut role: watch
     });
     loop {
         let term = role.borrow_and_update().term().cloned();
-        if let Some(term) = term {
+        if let Some(term) = term.filter(|t| !t.has_ended()) {
             let span = tracing::info_span!("term", term = term.revision(), replica = %ctx.config.replica_id);
             let ctx = ctx.clone();
             let t = term.clone();
@@ -111,6 +113,8 @@ enum Event {
 
 async fn lead(ctx: Arc<Ctx>, term: Term) {
     let writer = Writer::start(&term);
+    term.tracker()
+        .spawn(crate::cleanup::run(ctx.clone(), writer.clone()).in_current_span());
     let mut actor = Actor {
         ctx: ctx.clone(),
         writer,

@@ -48,6 +48,11 @@ impl Keys {
         format!("{}cancel/", self.prefix)
     }
 
+    /// `cleanup-now/`: operators' requests to retry a cleanup at once.
+    pub fn cleanup_now(&self) -> String {
+        format!("{}cleanup-now/", self.prefix)
+    }
+
     /// The token that proves a storage folder is this cluster's shared one.
     pub fn storage_marker(&self) -> String {
         format!("{}storage-marker", self.prefix)
@@ -67,6 +72,7 @@ pub struct JobKeys {
     pub dirty: String,
     pub clean: String,
     pub cancel: String,
+    pub cleanup_now: String,
 }
 
 impl Keys {
@@ -77,6 +83,7 @@ impl Keys {
             dirty: format!("{}{id}", self.dirty()),
             clean: format!("{}{id}", self.clean()),
             cancel: format!("{}{id}", self.cancel()),
+            cleanup_now: format!("{}{id}", self.cleanup_now()),
         }
     }
 }

@@ -87,9 +87,11 @@ impl EtcdConfig {
     fn options(&self) -> ConnectOptions {
         // HTTP/2 pings every 10 s: etcd closes connections that ping more often than every 5 s,
         // and a dead connection under a long watch or campaign must still be noticed.
+        // Requests to a member cut off from its cluster's leader fail fast instead of waiting.
         ConnectOptions::new()
             .with_connect_timeout(self.connect_timeout)
             .with_keep_alive(Duration::from_secs(10), Duration::from_secs(3))
+            .with_require_leader(true)
     }
 }
 

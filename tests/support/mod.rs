@@ -153,6 +153,30 @@ impl Cluster {
         terms
     }
 
+    /// Every election key (candidates and the leader) with its create revision.
+    pub async fn candidate_keys(&self) -> Vec<(String, i64)> {
+        let mut client = etcd_client::Client::connect(self.etcd.endpoints(), None)
+            .await
+            .unwrap();
+        let prefix = format!("/baton/{}/election/", self.cluster);
+        let resp = client
+            .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+            .await
+            .unwrap();
+        let mut keys: Vec<(String, i64)> = resp
+            .kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    String::from_utf8_lossy(kv.key()).into_owned(),
+                    kv.create_revision(),
+                )
+            })
+            .collect();
+        keys.sort();
+        keys
+    }
+
     /// Waits until `replica` campaigns (or leads) with a lease other than `old_lease`.
     pub async fn wait_candidate_on_new_lease(&self, replica: &str, old_lease: i64) {
         let client = etcd_client::Client::connect(self.etcd.endpoints(), None)
