@@ -39,7 +39,8 @@ pub struct CleanupConfig {
     pub concurrency: usize,
     pub timeout: Duration,
     pub retention: Duration,
-    /// Test and drill hook: stop a cleanup after recording this stage (a new leader resumes it).
+    /// Test and drill hook: the term that recorded this stage stops there (a new leader
+    /// resumes). 0 holds every cleanup before it starts.
     pub pause_after_stage: Option<u32>,
 }
 
@@ -248,20 +249,25 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
             return Next::At(progress.next_retry_ms);
         }
         if let Some(p) = ctx.config.cleanup.pause_after_stage {
-            if progress.stage == p && p < 3 {
+            // Only the term that reached the stage pauses: a new leader resumes.
+            let here = progress.stage_term == term.revision() || (p == 0 && progress.stage == 0);
+            if progress.stage == p && p < 3 && here {
                 return Next::Stop;
             }
         }
+        // Ok(true): a stage that ran the cleanup command, which counts as an attempt.
         let outcome = match progress.stage {
             0 => stage_command(ctx, writer, &snap, &result).await,
-            1 => stage_folder(ctx, id),
+            1 => stage_folder(ctx, id).map(|()| false),
             _ => return finish(ctx, writer, &snap, result).await,
         };
         let mut next = result.clone();
         let p = &mut next.cleanup;
         match outcome {
-            Ok(()) => {
+            Ok(ran) => {
+                p.attempts += u32::from(ran);
                 p.stage += 1;
+                p.stage_term = term.revision();
                 p.last_error = None;
                 p.next_retry_ms = 0;
             }
@@ -297,14 +303,14 @@ async fn stage_command(
     writer: &Writer,
     snap: &Snapshot,
     result: &JobResult,
-) -> Result<(), StageError> {
+) -> Result<bool, StageError> {
     let term = writer.term();
     let Some((record, _)) = &snap.spec else {
-        return Ok(());
+        return Ok(false);
     };
     let cmd = &record.spec.cleanup_command;
     if cmd.is_empty() {
-        return Ok(());
+        return Ok(false);
     }
     let cfg = &ctx.config;
     let attempt = result.cleanup.attempts + 1;
@@ -352,7 +358,7 @@ async fn stage_command(
         }
     }
     match guard::read_exit(&dir, &name) {
-        Some(r) if r.exit_code == Some(0) && r.killed_by.is_none() => Ok(()),
+        Some(r) if r.exit_code == Some(0) && r.killed_by.is_none() => Ok(true),
         Some(r) if matches!(r.killed_by, Some(KilledBy::Deadline | KilledBy::LeaderGone)) => {
             Err(StageError::TermOver)
         }

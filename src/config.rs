@@ -66,6 +66,18 @@ pub enum JobCommand {
     Wait(JobIdArgs),
     /// Print the output of an attempt (default: the latest).
     Logs(LogsArgs),
+    /// Steer a job's cleanup: `baton job cleanup ID --now` retries it at once.
+    Cleanup(CleanupArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CleanupArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub id: String,
+    /// Retry a pending or exhausted cleanup now.
+    #[arg(long, required = true)]
+    pub now: bool,
 }
 
 #[derive(Debug, Args)]

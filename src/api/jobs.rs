@@ -333,6 +333,16 @@ impl JobService for JobApi {
         )))
     }
 
+    async fn retry_cleanup(
+        &self,
+        req: Request<proto::RetryCleanupRequest>,
+    ) -> Result<Response<proto::Job>, Status> {
+        let id = req.into_inner().job_id;
+        let snap = jobs::request_cleanup(&self.store, &self.keys, &id).await?;
+        tracing::info!(job_id = %id, replica = %self.replica_id, "cleanup retry requested");
+        Ok(Response::new(job_view(&snap)))
+    }
+
     async fn get_job_logs(
         &self,
         req: Request<proto::GetJobLogsRequest>,

@@ -7,11 +7,11 @@ use serde_json::json;
 use tonic::Status;
 
 use super::call_any;
-use crate::config::{JobIdArgs, ListArgs, LogsArgs, Output, SubmitArgs};
+use crate::config::{CleanupArgs, JobIdArgs, ListArgs, LogsArgs, Output, SubmitArgs};
 use crate::proto::job_service_client::JobServiceClient;
 use crate::proto::{
     CancelJobRequest, CleanupState, GetJobLogsRequest, GetJobRequest, Job, JobSpec, JobState,
-    ListJobsRequest, SubmitJobRequest, WatchJobRequest,
+    ListJobsRequest, RetryCleanupRequest, SubmitJobRequest, WatchJobRequest,
 };
 
 /// `baton job wait` exits with the job's exit code.
@@ -95,8 +95,25 @@ fn print_job(j: &Job, output: Output) {
             if let Some(c) = &j.cleanup {
                 if c.state != CleanupState::CleanupNotStarted as i32 {
                     line.push_str(&format!("  cleanup {}", cleanup_name(c.state)));
+                    let mut detail = Vec::new();
+                    if c.state != CleanupState::CleanupDone as i32 {
+                        detail.push(format!("{} stages done", c.stage));
+                    }
+                    if c.attempts > 0 {
+                        detail.push(format!("{} attempts", c.attempts));
+                    }
+                    let now = crate::jobs::records::now_ms() as i64;
+                    if c.next_retry_unix_ms > now {
+                        detail.push(format!(
+                            "next retry in {}s",
+                            (c.next_retry_unix_ms - now + 999) / 1000
+                        ));
+                    }
                     if !c.last_error.is_empty() {
-                        line.push_str(&format!(" ({})", c.last_error));
+                        detail.push(format!("last error: {}", c.last_error));
+                    }
+                    if !detail.is_empty() {
+                        line.push_str(&format!(" ({})", detail.join(", ")));
                     }
                 }
             }
@@ -328,5 +345,25 @@ pub async fn logs(args: &LogsArgs) -> anyhow::Result<()> {
     .await?;
     use std::io::Write;
     std::io::stdout().write_all(&resp.content)?;
+    Ok(())
+}
+
+pub async fn cleanup_now(args: &CleanupArgs) -> anyhow::Result<()> {
+    let job = call_any(&args.client, |ch| {
+        let req = RetryCleanupRequest {
+            job_id: args.id.clone(),
+        };
+        async move {
+            Ok(JobServiceClient::new(ch)
+                .retry_cleanup(req)
+                .await?
+                .into_inner())
+        }
+    })
+    .await?;
+    match args.client.output {
+        Output::Json => print_job(&job, Output::Json),
+        Output::Text => println!("cleanup retry requested for {}", job.job_id),
+    }
     Ok(())
 }

@@ -69,6 +69,9 @@ pub struct CleanupProgress {
     /// Stages completed (0: none).
     #[serde(default)]
     pub stage: u32,
+    /// The term that recorded the latest stage.
+    #[serde(default)]
+    pub stage_term: i64,
     #[serde(default)]
     pub attempts: u32,
     #[serde(default)]
