@@ -336,6 +336,8 @@ async fn stage_command(
         margin: cfg.margin,
         timeout: cfg.cleanup.timeout,
         kill_grace: cfg.kill_grace,
+        ledger: cfg.execution_ledger.clone(),
+        unsafe_ignore_deadlines: cfg.unsafe_ignore_deadlines,
     };
     if term.check().is_err() {
         return Err(StageError::TermOver);

@@ -47,6 +47,8 @@ pub enum Command {
         #[command(subcommand)]
         command: JobCommand,
     },
+    /// Run a failover drill: workload, faults, then every invariant checked.
+    Drill(Box<crate::drill::DrillArgs>),
     /// The lease guard that runs each job (started by the leader, not by hand).
     #[command(name = "__guard", hide = true)]
     Guard(crate::runner::guard::GuardArgs),
@@ -273,6 +275,12 @@ pub struct ServeArgs {
     /// How long clean results are kept (they answer GetJob and decide re-submissions).
     #[arg(long, env = "BATON_RESULT_RETENTION", value_parser = humantime::parse_duration, default_value = "7d")]
     pub result_retention: Duration,
+    /// Append every job and cleanup execution (start and end, from the guards) to this file.
+    #[arg(long, env = "BATON_EXECUTION_LEDGER")]
+    pub execution_ledger: Option<PathBuf>,
+    /// Negative control for drills: guards ignore lease deadlines. Breaks the no-overlap promise.
+    #[arg(long, hide = true)]
+    pub unsafe_ignore_guard_deadlines: bool,
     /// Test and drill hook: stop each cleanup after recording this stage.
     #[arg(long, env = "BATON_CLEANUP_PAUSE_AFTER_STAGE", hide = true)]
     pub cleanup_pause_after_stage: Option<u32>,

@@ -11,6 +11,7 @@ pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod devcluster;
+pub mod drill;
 pub mod election;
 pub mod jobs;
 pub mod logging;

@@ -42,6 +42,13 @@ fn main() -> ExitCode {
                 JobCommand::Logs(args) => baton::cli::jobs::logs(&args).await,
                 JobCommand::Cleanup(args) => baton::cli::jobs::cleanup_now(&args).await,
             },
+            Command::Drill(args) => {
+                let code = baton::drill::run(*args).await?;
+                if code != 0 {
+                    return Err(baton::cli::jobs::JobExit(code as u8).into());
+                }
+                Ok(())
+            }
             Command::Guard(_) => unreachable!("handled above"),
         }
     });

@@ -98,6 +98,8 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
             retention: args.result_retention,
             pause_after_stage: args.cleanup_pause_after_stage,
         },
+        execution_ledger: args.execution_ledger.clone(),
+        unsafe_ignore_deadlines: args.unsafe_ignore_guard_deadlines,
     };
     tokio::spawn(runner::run(
         store.clone(),

@@ -53,9 +53,52 @@ pub struct GuardArgs {
     pub timeout: Duration,
     #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
     pub kill_grace: Duration,
+    /// Append a JSON line per execution start and end to this file (drills audit them).
+    #[arg(long)]
+    pub ledger: Option<PathBuf>,
+    /// Negative control for drills: ignore lease deadlines (only a closed pipe kills the job).
+    #[arg(long, hide = true)]
+    pub unsafe_ignore_deadlines: bool,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
+}
+
+/// One line of the execution ledger.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerEntry {
+    /// `start` or `end`.
+    pub event: String,
+    pub job_id: String,
+    /// `attempt-<n>` or `cleanup-<n>`.
+    pub name: String,
+    pub term: i64,
+    pub pid: i32,
+    pub boottime_ns: u64,
+    pub unix_ms: u64,
+    #[serde(default)]
+    pub exit: Option<ExitRecord>,
+}
+
+fn ledger(args: &GuardArgs, event: &str, pid: i32, exit: Option<&ExitRecord>) {
+    use std::io::Write;
+    let Some(path) = &args.ledger else { return };
+    let entry = LedgerEntry {
+        event: event.into(),
+        job_id: args.job_id.clone(),
+        name: args.name.clone(),
+        term: args.term,
+        pid,
+        boottime_ns: BootInstant::now().as_nanos(),
+        unix_ms: crate::jobs::records::now_ms(),
+        exit: exit.cloned(),
+    };
+    let mut line = serde_json::to_vec(&entry).expect("ledger entries serialize");
+    line.push(b'\n');
+    // One write on an O_APPEND file: lines of concurrent guards never interleave.
+    if let Ok(mut f) = OpenOptions::new().create(true).append(true).open(path) {
+        let _ = f.write_all(&line);
+    }
 }
 
 /// Why the guard ended the job, if it did.
@@ -191,6 +234,7 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
         }
     };
     let pid = child.id() as i32;
+    ledger(&args, "start", pid, None);
     let group = Pid::from_raw(pid);
     let pidfd = pidfd_open(pid)?;
     let timeout_at = started + args.timeout;
@@ -202,7 +246,7 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
         if killed_by.is_none() {
             let reason = if feed.closed {
                 Some(KilledBy::LeaderGone)
-            } else if now + args.margin >= deadline {
+            } else if now + args.margin >= deadline && !args.unsafe_ignore_deadlines {
                 Some(KilledBy::Deadline)
             } else if now >= timeout_at {
                 Some(KilledBy::Timeout)
@@ -246,6 +290,7 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
                 killed_by,
             };
             write_exit(&args, &rec)?;
+            ledger(&args, "end", pid, Some(&rec));
             return Ok(0);
         }
         // Sleep until the job exits, the leader speaks, a signal comes, or the next deadline;

@@ -52,6 +52,10 @@ pub struct RunnerConfig {
     pub kill_grace: Duration,
     pub margin: Duration,
     pub cleanup: crate::cleanup::CleanupConfig,
+    /// Drills: every guard appends its executions here.
+    pub execution_ledger: Option<PathBuf>,
+    /// Negative control for drills: guards ignore lease deadlines.
+    pub unsafe_ignore_deadlines: bool,
 }
 
 /// What every leader task of the runner shares.
@@ -660,6 +664,8 @@ impl JobCtx<'_> {
             margin: cfg.margin,
             timeout: spec.timeout,
             kill_grace: cfg.kill_grace,
+            ledger: cfg.execution_ledger.clone(),
+            unsafe_ignore_deadlines: cfg.unsafe_ignore_deadlines,
         };
         // The last synchronous check before the side effect.
         if term.check().is_err() {

@@ -41,6 +41,8 @@ pub struct Launch {
     pub margin: Duration,
     pub timeout: Duration,
     pub kill_grace: Duration,
+    pub ledger: Option<PathBuf>,
+    pub unsafe_ignore_deadlines: bool,
 }
 
 /// A running guard.
@@ -155,8 +157,14 @@ fn guard_command(l: &Launch) -> Command {
         .args(["--name", &l.name])
         .args(["--margin", &format!("{}ms", l.margin.as_millis())])
         .args(["--timeout", &format!("{}ms", l.timeout.as_millis())])
-        .args(["--kill-grace", &format!("{}ms", l.kill_grace.as_millis())])
-        .arg("--")
+        .args(["--kill-grace", &format!("{}ms", l.kill_grace.as_millis())]);
+    if let Some(ledger) = &l.ledger {
+        cmd.arg("--ledger").arg(ledger);
+    }
+    if l.unsafe_ignore_deadlines {
+        cmd.arg("--unsafe-ignore-deadlines");
+    }
+    cmd.arg("--")
         .args(&l.command)
         .env_clear()
         .stdin(Stdio::piped())

@@ -1,0 +1,363 @@
+//! The drill's checks: the whole history, from etcd, the guards' execution ledger and the role
+//! logs, against the guarantees Baton makes.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use etcd_client::GetOptions;
+use serde::Serialize;
+
+use super::workload::{Kind, Submitted};
+use super::{Lab, Round};
+use crate::clock::BootInstant;
+use crate::jobs::prefix_end;
+use crate::jobs::records::{self, JobResult};
+use crate::rolelog;
+use crate::runner::guard::{KilledBy, LedgerEntry};
+use crate::store::codec;
+
+/// One of the six guarantees.
+#[derive(Clone, Debug, Serialize)]
+pub struct Invariant {
+    pub number: u8,
+    pub name: &'static str,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Verdict {
+    pub invariant: Invariant,
+    pub passed: bool,
+    /// For a failure: what shows it (at most a few lines).
+    pub evidence: Vec<String>,
+}
+
+fn verdict(number: u8, name: &'static str, evidence: Vec<String>) -> Verdict {
+    Verdict {
+        invariant: Invariant { number, name },
+        passed: evidence.is_empty(),
+        evidence: evidence.into_iter().take(8).collect(),
+    }
+}
+
+async fn client(lab: &Lab) -> anyhow::Result<etcd_client::Client> {
+    Ok(etcd_client::Client::connect(lab.etcd.endpoints(), None).await?)
+}
+
+fn prefix(lab: &Lab, suffix: &str) -> String {
+    format!("/baton/{}/{suffix}", lab.cluster)
+}
+
+pub async fn count_prefix(lab: &Lab, suffix: &str) -> anyhow::Result<i64> {
+    let p = prefix(lab, suffix);
+    let mut c = client(lab).await?;
+    let r = c
+        .get(
+            p.clone(),
+            Some(
+                GetOptions::new()
+                    .with_range(prefix_end(&p))
+                    .with_count_only(),
+            ),
+        )
+        .await?;
+    Ok(r.count())
+}
+
+/// Every value under a prefix, paged.
+async fn all(lab: &Lab, suffix: &str) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+    let p = prefix(lab, suffix);
+    let mut c = client(lab).await?;
+    let mut out = Vec::new();
+    let mut start = p.clone();
+    loop {
+        let r = c
+            .get(
+                start.clone(),
+                Some(GetOptions::new().with_range(prefix_end(&p)).with_limit(500)),
+            )
+            .await?;
+        for kv in r.kvs() {
+            let id = String::from_utf8_lossy(&kv.key()[p.len()..]).into_owned();
+            out.push((id, kv.value().to_vec()));
+        }
+        match r.kvs().last() {
+            Some(last) if r.more() => start = format!("{}\0", String::from_utf8_lossy(last.key())),
+            _ => return Ok(out),
+        }
+    }
+}
+
+/// Waits (bounded) until some job is RUNNING, so a fault has work to interrupt.
+pub async fn wait_running(lab: &Lab, within: Duration) {
+    let until = Instant::now() + within;
+    while Instant::now() < until {
+        if let Ok(entries) = all(lab, "registry/").await {
+            let running = entries.iter().any(|(id, v)| {
+                codec::decode::<records::RegistryEntry>(id.as_bytes(), v, records::REGISTRY_VERSION)
+                    .is_ok_and(|e| e.status == records::RegistryStatus::Running)
+            });
+            if running {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until nothing is pending, running or dirty.
+pub async fn drain(lab: &Lab, within: Duration) -> bool {
+    let until = Instant::now() + within;
+    while Instant::now() < until {
+        let busy = count_prefix(lab, "registry/").await.unwrap_or(1)
+            + count_prefix(lab, "results/dirty/").await.unwrap_or(1);
+        if busy == 0 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    false
+}
+
+pub fn ledger(lab: &Lab) -> Vec<LedgerEntry> {
+    std::fs::read_to_string(lab.ledger())
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+pub fn first_start_after(lab: &Lab, after: BootInstant, term: i64) -> Option<BootInstant> {
+    ledger(lab)
+        .iter()
+        .filter(|e| {
+            e.event == "start"
+                && e.term == term
+                && e.boottime_ns >= after.as_nanos()
+                && e.name.starts_with("attempt-")
+        })
+        .map(|e| BootInstant::from_nanos(e.boottime_ns))
+        .min()
+}
+
+/// Executions started in `term` after `after` whose job had an earlier execution cut off.
+pub fn restarted_in(lab: &Lab, after: BootInstant, term: i64) -> usize {
+    let l = ledger(lab);
+    let cut: HashSet<&str> = l
+        .iter()
+        .filter(|e| e.event == "end" && e.boottime_ns <= after.as_nanos() + 60_000_000_000)
+        .filter(|e| {
+            matches!(
+                e.exit.as_ref().and_then(|x| x.killed_by),
+                Some(KilledBy::LeaderGone | KilledBy::Deadline)
+            )
+        })
+        .map(|e| e.job_id.as_str())
+        .collect();
+    l.iter()
+        .filter(|e| e.event == "start" && e.term == term && e.boottime_ns >= after.as_nanos())
+        .filter(|e| e.name.starts_with("attempt-") && cut.contains(e.job_id.as_str()))
+        .count()
+}
+
+/// One execution, from its ledger start and end.
+#[derive(Debug)]
+struct Execution {
+    name: String,
+    pid: i32,
+    start_ns: u64,
+    start_ms: u64,
+    end_ns: Option<u64>,
+    exit: Option<crate::runner::guard::ExitRecord>,
+}
+
+fn executions(l: &[LedgerEntry]) -> HashMap<String, Vec<Execution>> {
+    let mut by_job: HashMap<String, Vec<Execution>> = HashMap::new();
+    for e in l.iter().filter(|e| e.event == "start") {
+        by_job.entry(e.job_id.clone()).or_default().push(Execution {
+            name: e.name.clone(),
+            pid: e.pid,
+            start_ns: e.boottime_ns,
+            start_ms: e.unix_ms,
+            end_ns: None,
+            exit: None,
+        });
+    }
+    for e in l.iter().filter(|e| e.event == "end") {
+        if let Some(x) = by_job
+            .get_mut(&e.job_id)
+            .and_then(|v| v.iter_mut().find(|x| x.pid == e.pid && x.name == e.name))
+        {
+            x.end_ns = Some(e.boottime_ns);
+            x.exit = e.exit.clone();
+        }
+    }
+    by_job
+}
+
+pub async fn verify(
+    lab: &Lab,
+    submitted: &Submitted,
+    rounds: &[Round],
+    drained: bool,
+) -> anyhow::Result<Vec<Verdict>> {
+    let clean: BTreeMap<String, JobResult> = all(lab, "results/clean/")
+        .await?
+        .into_iter()
+        .filter_map(|(id, v)| {
+            codec::decode(id.as_bytes(), &v, records::RESULT_VERSION)
+                .ok()
+                .map(|r| (id, r))
+        })
+        .collect();
+    let dirty = all(lab, "results/dirty/").await?;
+    let registry = all(lab, "registry/").await?;
+    let ledger = ledger(lab);
+    let execs = executions(&ledger);
+    let mut out = Vec::new();
+
+    // 1. Every acknowledged submission has exactly one terminal result.
+    let dirty_ids: HashSet<&str> = dirty.iter().map(|(id, _)| id.as_str()).collect();
+    let mut ev = Vec::new();
+    for (id, _) in &submitted.acked {
+        let n = usize::from(clean.contains_key(id)) + usize::from(dirty_ids.contains(id.as_str()));
+        if n != 1 {
+            ev.push(format!("{id}: {n} terminal results"));
+        }
+    }
+    out.push(verdict(
+        1,
+        "every acknowledged submission has exactly one terminal result",
+        ev,
+    ));
+
+    // 2. No execution after the result; no two executions of one job at once.
+    let mut ev = Vec::new();
+    for (id, xs) in &execs {
+        let mut attempts: Vec<&Execution> = xs
+            .iter()
+            .filter(|x| x.name.starts_with("attempt-"))
+            .collect();
+        attempts.sort_by_key(|x| x.start_ns);
+        for w in attempts.windows(2) {
+            match w[0].end_ns {
+                Some(end) if end <= w[1].start_ns => {}
+                Some(end) => ev.push(format!(
+                    "{id}: {} (pid {}) ran until {end} but {} (pid {}) started at {}",
+                    w[0].name, w[0].pid, w[1].name, w[1].pid, w[1].start_ns
+                )),
+                None => ev.push(format!(
+                    "{id}: {} (pid {}) has no recorded end",
+                    w[0].name, w[0].pid
+                )),
+            }
+        }
+        if let Some(r) = clean.get(id) {
+            for x in &attempts {
+                if x.start_ms > r.finished_at_ms {
+                    ev.push(format!(
+                        "{id}: {} started at {} ms, after its result ({} ms)",
+                        x.name, x.start_ms, r.finished_at_ms
+                    ));
+                }
+            }
+        }
+    }
+    out.push(verdict(
+        2,
+        "no execution after the terminal result; no two executions of a job overlapped",
+        ev,
+    ));
+
+    // 3. Every dirty result became clean; every cleanup command completed at least once.
+    let mut ev: Vec<String> = dirty
+        .iter()
+        .map(|(id, _)| format!("{id}: still dirty"))
+        .collect();
+    if !drained {
+        ev.push("the workload did not drain within its deadline".into());
+    }
+    for (id, kind) in &submitted.acked {
+        if matches!(kind, Kind::Cleanup | Kind::FlakyCleanup) {
+            let ok = execs.get(id).is_some_and(|xs| {
+                xs.iter().any(|x| {
+                    x.name.starts_with("cleanup-")
+                        && x.exit
+                            .as_ref()
+                            .is_some_and(|e| e.exit_code == Some(0) && e.killed_by.is_none())
+                })
+            });
+            if !ok {
+                ev.push(format!("{id}: its cleanup command never completed"));
+            }
+        }
+    }
+    out.push(verdict(
+        3,
+        "every dirty result became clean and every cleanup command completed",
+        ev,
+    ));
+
+    // 4. The registry holds only PENDING/RUNNING, and nothing at the end.
+    let mut ev: Vec<String> = registry
+        .iter()
+        .map(|(id, v)| {
+            match codec::decode::<records::RegistryEntry>(
+                id.as_bytes(),
+                v,
+                records::REGISTRY_VERSION,
+            ) {
+                Ok(e) => format!("{id}: left in the registry as {:?}", e.status),
+                Err(e) => format!("{id}: an entry that is not PENDING/RUNNING: {e}"),
+            }
+        })
+        .collect();
+    ev.truncate(8);
+    out.push(verdict(
+        4,
+        "the registry holds only PENDING/RUNNING, and is empty at the end",
+        ev,
+    ));
+
+    // 5. No two terms overlapped; every result was written within its term.
+    let mut ev = Vec::new();
+    let mut events = Vec::new();
+    for r in &lab.replicas {
+        match std::fs::read_to_string(r.role_log_path()).map(|t| rolelog::parse(&t)) {
+            Ok(Ok(e)) => events.extend(e),
+            Ok(Err(e)) => ev.push(format!("{}: {e}", r.id())),
+            Err(_) => {}
+        }
+    }
+    let terms = rolelog::terms(&events);
+    if let Err(o) = rolelog::check_terms(&terms) {
+        ev.push(o.to_string());
+    }
+    let known: HashSet<i64> = terms.iter().map(|t| t.term).collect();
+    for (id, r) in &clean {
+        if !known.contains(&r.term) {
+            ev.push(format!(
+                "{id}: result written by term {}, which no role log shows",
+                r.term
+            ));
+        }
+    }
+    out.push(verdict(
+        5,
+        "no two terms overlapped, and every result came from a known term",
+        ev,
+    ));
+
+    // 6. Submissions kept succeeding during every fault.
+    let ev = submitted
+        .failures
+        .iter()
+        .map(|(id, e, at)| format!("{id} at {at} ms: {e}"))
+        .collect();
+    out.push(verdict(
+        6,
+        "submissions kept succeeding during every fault",
+        ev,
+    ));
+    let _ = rounds;
+    Ok(out)
+}

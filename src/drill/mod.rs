@@ -1,0 +1,467 @@
+//! `baton drill`: runs a workload, injects faults round after round, then checks the whole
+//! history against Baton's guarantees, from etcd, the guards' execution ledger and the role logs.
+//!
+//! It is how on-call engineers get proof that a failover loses nothing, and how we find our own
+//! bugs: the checks must be able to fail, so `--negative-control` runs the replicas with guards
+//! that ignore lease deadlines, which a pause fault turns into overlapping executions.
+
+mod check;
+mod report;
+mod workload;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+
+use crate::clock::BootInstant;
+use crate::config::{ClientArgs, Output};
+use crate::devcluster::{free_port, EtcdCluster, FaultProxy, Mode, ReplicaProcess, ReplicaSpec};
+use crate::proto::cluster_service_client::ClusterServiceClient;
+use crate::proto::{GetLeaderRequest, LeaderInfo};
+pub use check::{Invariant, Verdict};
+pub use report::{Report, Round};
+
+#[derive(Debug, Clone, Args)]
+pub struct DrillArgs {
+    /// Baton replicas to run.
+    #[arg(long, default_value_t = 3)]
+    pub replicas: usize,
+    /// etcd members (3 allows the etcd-kill fault).
+    #[arg(long, default_value_t = 1)]
+    pub etcd_members: usize,
+    #[arg(long, env = "BATON_ETCD_BIN", default_value = "etcd")]
+    pub etcd_bin: PathBuf,
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
+    pub lease_ttl: Duration,
+    /// Comma-separated: kill, term, pause, partition, etcd-kill, follower-kill (default: all
+    /// that fit the cluster).
+    #[arg(long, value_delimiter = ',')]
+    pub faults: Vec<String>,
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
+    /// Jobs to submit in all.
+    #[arg(long, default_value_t = 60)]
+    pub jobs: usize,
+    /// Submissions per second.
+    #[arg(long, default_value_t = 20.0)]
+    pub rate: f64,
+    /// Seed for the workload mix and fault order (default: from the clock; printed).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Shuffle the faults of each round (soak mode).
+    #[arg(long)]
+    pub shuffle: bool,
+    /// Keep going for this long, round after round (soak mode); overrides --rounds.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub duration: Option<Duration>,
+    /// Where the cluster, ledgers and logs go (default: a temporary folder, kept on failure).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Run guards that ignore lease deadlines: the drill must then report overlapping executions.
+    #[arg(long, hide = true)]
+    pub negative_control: bool,
+}
+
+pub const ALL_FAULTS: &[&str] = &[
+    "kill",
+    "term",
+    "pause",
+    "partition",
+    "etcd-kill",
+    "follower-kill",
+];
+
+/// A cheap deterministic generator (xorshift64*), so a seed reproduces a drill.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.max(1))
+    }
+    pub fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// The local cluster under drill.
+pub(crate) struct Lab {
+    pub etcd: EtcdCluster,
+    pub replicas: Vec<ReplicaProcess>,
+    pub proxies: Vec<FaultProxy>,
+    pub dir: PathBuf,
+    pub ttl: Duration,
+    pub cluster: String,
+}
+
+impl Lab {
+    pub fn endpoints(&self) -> Vec<String> {
+        self.replicas
+            .iter()
+            .map(|r| r.listen().to_string())
+            .collect()
+    }
+
+    pub fn client(&self) -> ClientArgs {
+        ClientArgs {
+            endpoints: self.endpoints(),
+            timeout: Duration::from_secs(2),
+            output: Output::Text,
+        }
+    }
+
+    pub fn ledger(&self) -> PathBuf {
+        self.dir.join("executions.jsonl")
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.join("workload")
+    }
+
+    /// The leader as some live replica answers, and whether it also says it is the leader.
+    pub async fn leader(&self) -> Option<(LeaderInfo, bool)> {
+        for r in &self.replicas {
+            let Ok(ch) =
+                crate::cli::channel(&r.listen().to_string(), Duration::from_millis(500)).await
+            else {
+                continue;
+            };
+            if let Ok(resp) = ClusterServiceClient::new(ch)
+                .get_leader(GetLeaderRequest {})
+                .await
+            {
+                let resp = resp.into_inner();
+                if let Some(l) = resp.leader {
+                    let serving = resp.answered_by_leader;
+                    return Some((l, serving));
+                }
+            }
+        }
+        None
+    }
+
+    /// Whether the leader itself answers as leader, for a term above `above`.
+    pub async fn serving_above(&self, above: i64) -> Option<LeaderInfo> {
+        let (l, _) = self.leader().await?;
+        if l.term <= above {
+            return None;
+        }
+        let ch = crate::cli::channel(&l.advertise, Duration::from_millis(500))
+            .await
+            .ok()?;
+        let resp = ClusterServiceClient::new(ch)
+            .get_leader(GetLeaderRequest {})
+            .await
+            .ok()?
+            .into_inner();
+        (resp.answered_by_leader && resp.leader.as_ref().map(|x| x.term) == Some(l.term))
+            .then_some(l)
+    }
+
+    pub fn index_of(&self, id: &str) -> Option<usize> {
+        self.replicas.iter().position(|r| r.id() == id)
+    }
+}
+
+fn start_lab(args: &DrillArgs, dir: &std::path::Path) -> anyhow::Result<Lab> {
+    let bin = std::env::current_exe().context("locating the baton binary")?;
+    let etcd = EtcdCluster::start(&args.etcd_bin, &dir.join("etcd"), args.etcd_members)?;
+    let storage = dir.join("storage");
+    let ledger = dir.join("executions.jsonl");
+    std::fs::create_dir_all(dir.join("workload"))?;
+    let mut proxies = Vec::new();
+    let mut replicas = Vec::new();
+    for i in 0..args.replicas.max(2) {
+        // Each replica reaches every etcd member through a proxy of its own per member? One
+        // proxy to member 0 is enough to cut it off; the others stay direct only with 3 members.
+        let target: SocketAddr = etcd.endpoints()[0].parse()?;
+        let proxy = FaultProxy::start(target)?;
+        let mut endpoints = vec![proxy.addr().to_string()];
+        if args.etcd_members > 1 {
+            // With several members a replica needs all of them (member 0 may be the one killed);
+            // the partition fault then also cuts the direct ones through their own proxies.
+            for ep in etcd.endpoints().iter().skip(1) {
+                let p = FaultProxy::start(ep.parse()?)?;
+                endpoints.push(p.addr().to_string());
+                proxies.push((i, p));
+            }
+        }
+        proxies.push((i, proxy));
+        let mut extra = vec![
+            "--storage-dir".to_string(),
+            storage.display().to_string(),
+            "--execution-ledger".into(),
+            ledger.display().to_string(),
+            "--retry-initial-delay".into(),
+            "200ms".into(),
+            "--cleanup-initial-delay".into(),
+            "200ms".into(),
+            "--cleanup-max-delay".into(),
+            "2s".into(),
+            "--kill-grace".into(),
+            "2s".into(),
+        ];
+        if args.negative_control {
+            extra.push("--unsafe-ignore-guard-deadlines".into());
+        }
+        let spec = ReplicaSpec {
+            id: format!("r{}", i + 1),
+            bin: bin.clone(),
+            etcd_endpoints: endpoints,
+            cluster: "drill".into(),
+            listen: ([127, 0, 0, 1], free_port()).into(),
+            lease_ttl: args.lease_ttl,
+            dir: dir.join("replicas"),
+            extra_args: extra,
+        };
+        replicas.push(ReplicaProcess::spawn(spec)?);
+    }
+    let mut by_replica: Vec<Vec<FaultProxy>> = (0..replicas.len()).map(|_| Vec::new()).collect();
+    for (i, p) in proxies {
+        by_replica[i].push(p);
+    }
+    Ok(Lab {
+        etcd,
+        replicas,
+        proxies: by_replica.into_iter().flatten().collect(),
+        dir: dir.to_path_buf(),
+        ttl: args.lease_ttl,
+        cluster: "drill".into(),
+    })
+}
+
+impl Lab {
+    /// The proxies of replica `i` (to every etcd member).
+    fn set_net(&self, i: usize, mode: Mode, members: usize) {
+        for p in &self.proxies[i * members..(i + 1) * members] {
+            p.set_mode(mode);
+        }
+    }
+}
+
+/// Runs a drill; the exit code is 0 when every invariant holds.
+pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
+    let seed = args.seed.unwrap_or_else(|| BootInstant::now().as_nanos());
+    let mut faults: Vec<String> = if args.faults.is_empty() {
+        ALL_FAULTS
+            .iter()
+            .filter(|f| args.etcd_members >= 3 || **f != "etcd-kill")
+            .map(|s| s.to_string())
+            .collect()
+    } else {
+        args.faults.clone()
+    };
+    for f in &faults {
+        anyhow::ensure!(
+            ALL_FAULTS.contains(&f.as_str()),
+            "unknown fault {f:?}; known: {}",
+            ALL_FAULTS.join(", ")
+        );
+        anyhow::ensure!(
+            f != "etcd-kill" || args.etcd_members >= 3,
+            "the etcd-kill fault needs --etcd-members 3 (one member down must leave a quorum)"
+        );
+    }
+    let (tmp, dir) = match &args.dir {
+        Some(d) => (None, d.clone()),
+        None => {
+            let t = tempfile::Builder::new().prefix("baton-drill-").tempdir()?;
+            let p = t.path().to_path_buf();
+            (Some(t), p)
+        }
+    };
+    eprintln!("drill: seed {seed}, folder {}", dir.display());
+    let mut lab = start_lab(&args, &dir)?;
+    let mut rng = Rng::new(seed);
+    let started = Instant::now();
+    wait_leader(&lab, Duration::from_secs(30))
+        .await
+        .context("no leader at the start")?;
+    let members = args.etcd_members.max(1);
+
+    let workload = workload::start(&lab, &args, seed);
+    let mut rounds = Vec::new();
+    let mut round = 0;
+    loop {
+        round += 1;
+        let done = match args.duration {
+            Some(d) => started.elapsed() >= d,
+            None => round > args.rounds,
+        };
+        if done {
+            break;
+        }
+        if args.shuffle {
+            for i in (1..faults.len()).rev() {
+                let j = rng.below(i as u64 + 1) as usize;
+                faults.swap(i, j);
+            }
+        }
+        for fault in faults.clone() {
+            let r = inject(&mut lab, &fault, round, members, &mut rng).await?;
+            eprintln!("{}", report::round_line(&r));
+            rounds.push(r);
+        }
+    }
+    let submitted = workload.finish().await;
+    let drained = check::drain(&lab, Duration::from_secs(180)).await;
+    let verdicts = check::verify(&lab, &submitted, &rounds, drained).await?;
+    let report = Report {
+        seed,
+        faults: rounds.len(),
+        rounds,
+        submitted: submitted.acked.len(),
+        submit_failures: submitted.failures.len(),
+        invariants: verdicts,
+        dir: dir.display().to_string(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.human());
+    }
+    let ok = report.passed();
+    for r in lab.replicas.iter_mut() {
+        r.stop(Duration::from_secs(10));
+    }
+    lab.etcd.stop();
+    if !ok {
+        if let Some(t) = tmp {
+            let kept = t.keep();
+            eprintln!(
+                "drill: invariants violated; everything kept in {}",
+                kept.display()
+            );
+        }
+        return Ok(1);
+    }
+    Ok(0)
+}
+
+async fn wait_leader(lab: &Lab, within: Duration) -> anyhow::Result<LeaderInfo> {
+    let until = Instant::now() + within;
+    loop {
+        if let Some(l) = lab.serving_above(0).await {
+            return Ok(l);
+        }
+        anyhow::ensure!(Instant::now() < until, "no leader within {within:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Injects one fault, measures the failover, and waits until the cluster is whole again.
+async fn inject(
+    lab: &mut Lab,
+    fault: &str,
+    round: usize,
+    members: usize,
+    rng: &mut Rng,
+) -> anyhow::Result<Round> {
+    let leader_fault = !matches!(fault, "etcd-kill" | "follower-kill");
+    if leader_fault {
+        check::wait_running(lab, Duration::from_secs(10)).await;
+    }
+    let before = wait_leader(lab, Duration::from_secs(60)).await?;
+    let k = lab
+        .index_of(&before.replica_id)
+        .context("the leader is not one of ours")?;
+    let dirty_before = check::count_prefix(lab, "results/dirty/")
+        .await
+        .unwrap_or(0);
+    let t0 = Instant::now();
+    let b0 = BootInstant::now();
+    match fault {
+        "kill" => lab.replicas[k].sigkill(),
+        "term" => lab.replicas[k].sigterm(),
+        "pause" => lab.replicas[k].pause(),
+        "partition" => lab.set_net(k, Mode::Blackhole, members),
+        "etcd-kill" => {
+            let m = rng.below(lab.etcd.size() as u64) as usize;
+            lab.etcd.kill_member(m);
+            tokio::time::sleep(lab.ttl * 2).await;
+            lab.etcd.restart_member(m)?;
+        }
+        "follower-kill" => {
+            let f =
+                (k + 1 + rng.below(lab.replicas.len() as u64 - 1) as usize) % lab.replicas.len();
+            lab.replicas[f].sigkill();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            lab.replicas[f].restart()?;
+        }
+        _ => unreachable!("checked"),
+    }
+    // Measure: until any replica names a new leader, and until that leader serves as leader.
+    let deadline = Instant::now() + lab.ttl * 6 + Duration::from_secs(20);
+    let mut no_leader = None;
+    let mut serving = None;
+    let mut new_term = before.term;
+    if leader_fault {
+        while Instant::now() < deadline && serving.is_none() {
+            if let Some((l, _)) = lab.leader().await {
+                if l.term > before.term && no_leader.is_none() {
+                    no_leader = Some(t0.elapsed());
+                }
+            }
+            if let Some(l) = lab.serving_above(before.term).await {
+                serving = Some(t0.elapsed());
+                no_leader.get_or_insert(t0.elapsed());
+                new_term = l.term;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        anyhow::ensure!(
+            serving.is_some(),
+            "round {round} {fault}: no new leader within the deadline"
+        );
+    }
+    // Undo the fault.
+    match fault {
+        "kill" => lab.replicas[k].restart()?,
+        "term" => {
+            lab.replicas[k].wait_exit(Duration::from_secs(20));
+            lab.replicas[k].restart()?;
+        }
+        "pause" => {
+            let held = lab.ttl * 2;
+            if t0.elapsed() < held {
+                tokio::time::sleep(held - t0.elapsed()).await;
+            }
+            lab.replicas[k].resume();
+        }
+        "partition" => lab.set_net(k, Mode::Pass, members),
+        _ => {}
+    }
+    if lab.etcd.size() > 0 {
+        let _ = lab.etcd.wait_ready(Duration::from_secs(30));
+    }
+    let after = wait_leader(lab, Duration::from_secs(60)).await?;
+    if !leader_fault {
+        new_term = after.term;
+    }
+    let resumed = check::first_start_after(lab, b0, new_term);
+    Ok(Round {
+        round,
+        fault: fault.to_string(),
+        old_leader: before.replica_id,
+        new_leader: after.replica_id,
+        no_leader_ms: no_leader.map(|d| d.as_millis() as u64),
+        serving_ms: serving.map(|d| d.as_millis() as u64),
+        jobs_running_again_ms: resumed.map(|b| b0.until(b).as_millis() as u64),
+        restarted: check::restarted_in(lab, b0, new_term),
+        cleanups_resumed: if leader_fault { dirty_before } else { 0 },
+    })
+}
