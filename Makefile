@@ -4,7 +4,12 @@ CARGO ?= cargo
 # keeps lease timing honest.
 TEST_THREADS ?= 2
 
-.PHONY: deps build run test lint
+# `make soak`: a randomized drill (SOAK_DURATION, SOAK_SEED, SOAK_RATE); prints its seed.
+SOAK_DURATION ?= 30m
+SOAK_RATE ?= 5
+SOAK_SEED ?= $(shell date +%s)
+
+.PHONY: deps build run test lint soak
 
 deps:
 	@./scripts/install-deps
@@ -21,3 +26,7 @@ lint: deps
 
 test: lint
 	$(CARGO) test -- --test-threads=$(TEST_THREADS)
+
+soak: build
+	./target/debug/baton drill --etcd-members 3 --shuffle --duration $(SOAK_DURATION) \
+		--rate $(SOAK_RATE) --jobs 100000 --seed $(SOAK_SEED)

@@ -74,8 +74,14 @@ where
     }
 }
 
+/// Worth trying on the next replica. Every call here is idempotent (submissions carry their id),
+/// so a call cut off mid-flight, which tonic reports as `Unknown: transport error`, is retried.
 fn retryable(s: &Status) -> bool {
-    matches!(s.code(), Code::Unavailable | Code::DeadlineExceeded)
+    match s.code() {
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => true,
+        Code::Unknown => s.message().contains("transport error") || s.message().contains("connection"),
+        _ => false,
+    }
 }
 
 async fn get_leader(args: &ClientArgs) -> anyhow::Result<LeaderInfo> {
