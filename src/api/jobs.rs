@@ -240,13 +240,20 @@ impl JobService for JobApi {
             prefixes.push(self.keys.clean());
         }
         let mut found: BTreeMap<String, proto::Job> = BTreeMap::new();
-        let mut more = false;
+        // The merge of the prefixes is complete up to the smallest last id scanned among the
+        // prefixes that may have more: the next page starts there, even if this one kept nothing.
+        let mut bound: Option<String> = None;
         for prefix in &prefixes {
-            let (kvs, r) =
-                jobs::page_ids(&self.store, prefix, &after, size as i64 + 1, rev).await?;
+            let (kvs, r) = jobs::page_ids(&self.store, prefix, &after, size as i64, rev).await?;
             rev = r;
-            more |= kvs.len() > size;
-            for kv in kvs.iter().take(size) {
+            if kvs.len() == size {
+                if let Some(last) = kvs.last().and_then(|kv| Keys::id_in(prefix, kv.key())) {
+                    if bound.as_deref().is_none_or(|b| last < b) {
+                        bound = Some(last.to_string());
+                    }
+                }
+            }
+            for kv in kvs.iter() {
                 let Some(id) = Keys::id_in(prefix, kv.key()) else {
                     continue;
                 };
@@ -288,9 +295,14 @@ impl JobService for JobApi {
                 }
             }
         }
-        let jobs: Vec<proto::Job> = found.into_values().take(size).collect();
-        let next_page_token = match (more || jobs.len() == size, jobs.last()) {
-            (true, Some(last)) => format!("{rev}/{}", last.job_id),
+        let mut jobs: Vec<proto::Job> = found
+            .into_values()
+            .filter(|j| bound.as_deref().is_none_or(|b| j.job_id.as_str() <= b))
+            .collect();
+        jobs.truncate(size);
+        let next_page_token = match (&bound, jobs.len() == size, jobs.last()) {
+            (_, true, Some(last)) => format!("{rev}/{}", last.job_id),
+            (Some(b), _, _) => format!("{rev}/{b}"),
             _ => String::new(),
         };
         Ok(Response::new(proto::ListJobsResponse {

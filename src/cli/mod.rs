@@ -79,7 +79,9 @@ where
 fn retryable(s: &Status) -> bool {
     match s.code() {
         Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => true,
-        Code::Unknown => s.message().contains("transport error") || s.message().contains("connection"),
+        Code::Unknown => {
+            s.message().contains("transport error") || s.message().contains("connection")
+        }
         _ => false,
     }
 }

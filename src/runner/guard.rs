@@ -206,7 +206,7 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
             // The job dies with its guard; and if the guard died before this line, exit.
             nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
             if getppid().as_raw() != guard_pid {
-                std::process::exit(NOT_STARTED);
+                nix::libc::_exit(NOT_STARTED);
             }
             // The signals the guard blocks must not stay blocked in the job.
             SigSet::all().thread_unblock().map_err(std::io::Error::from)
@@ -243,7 +243,10 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
 
     loop {
         let now = BootInstant::now();
-        if killed_by.is_none() {
+        // Reap first: a job that ended on its own at the moment its leader went away must be
+        // recorded as ended, not as killed (a new leader would run it again).
+        let reaped = child.try_wait()?;
+        if reaped.is_none() && killed_by.is_none() {
             let reason = if feed.closed {
                 Some(KilledBy::LeaderGone)
             } else if now + args.margin >= deadline && !args.unsafe_ignore_deadlines {
@@ -264,19 +267,26 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
             }
         }
         if let Some(at) = kill_at {
-            if now >= at && killed_by.is_none() {
+            if reaped.is_none() && now >= at && killed_by.is_none() {
                 let _ = killpg(group, Signal::SIGKILL);
                 killed_by = Some(KilledBy::Cancel);
             }
         }
-        if let Some(status) = child.try_wait()? {
+        let status = match reaped {
+            Some(s) => Some(s),
+            None if killed_by.is_some() => child.try_wait()?,
+            None => None,
+        };
+        if let Some(status) = status {
             // Nothing of the job may outlive its attempt: kill what is left of its group.
             let _ = killpg(group, Signal::SIGKILL);
-            let killed_by = killed_by.or(if feed.term {
-                Some(KilledBy::Cancel)
-            } else {
-                None
-            });
+            // A kill that lost the race against a normal exit did not end the job.
+            let killed_by = match killed_by {
+                Some(k) if k != KilledBy::Cancel && status.code().is_some() => None,
+                Some(k) => Some(k),
+                None if feed.term => Some(KilledBy::Cancel),
+                None => None,
+            };
             let rec = ExitRecord {
                 version: EXIT_RECORD_VERSION,
                 job_id: args.job_id.clone(),

@@ -129,9 +129,10 @@ async fn lead(ctx: Arc<Ctx>, term: Term) {
         timers: BTreeMap::new(),
         reserved: 0,
         tasks: JoinSet::new(),
+        task_jobs: HashMap::new(),
+        exits: HashMap::new(),
     };
     let (events_tx, mut events) = mpsc::unbounded_channel();
-    let mut deadlines = term.deadlines();
     'resync: loop {
         let (rev, ids, dirty) = tokio::select! {
             r = recover(&ctx, &term) => r,
@@ -152,11 +153,19 @@ async fn lead(ctx: Arc<Ctx>, term: Term) {
                 .with_prefix()
                 .with_start_revision(rev + 1)
         };
-        let mut stream = match client.watch(ctx.keys.registry(), Some(opts())).await {
-            Ok(s) => s,
-            Err(e) => {
+        let watch = tokio::time::timeout(
+            Duration::from_secs(5),
+            client.watch(ctx.keys.registry(), Some(opts())),
+        );
+        let mut stream = match watch.await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
                 tracing::warn!(error = %e, "cannot watch the registry; resyncing");
                 tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+            Err(_) => {
+                tracing::warn!("watching the registry timed out; resyncing");
                 continue;
             }
         };
@@ -180,14 +189,6 @@ async fn lead(ctx: Arc<Ctx>, term: Term) {
             tokio::select! {
                 biased;
                 _ = term.ended() => break 'resync,
-                changed = deadlines.changed() => {
-                    if changed.is_ok() {
-                        let v = *deadlines.borrow_and_update();
-                        for l in actor.running.values() {
-                            l.feed.deadline(v);
-                        }
-                    }
-                }
                 msg = stream.message() => match msg {
                     Ok(Some(resp)) => {
                         if resp.canceled() || resp.compact_revision() > 0 {
@@ -211,10 +212,18 @@ async fn lead(ctx: Arc<Ctx>, term: Term) {
                 Some(ev) = events.recv() => match ev {
                     Event::Exited { id, attempt } => actor.exited(id, attempt),
                 },
-                Some(done) = actor.tasks.join_next() => {
-                    if let Ok((id, slot, outcome)) = done {
-                        actor.settle(id, slot, outcome, &events_tx);
-                    }
+                Some(done) = actor.tasks.join_next_with_id() => {
+                    let (task, (id, slot, outcome)) = match done {
+                        Ok((task, out)) => (task, out),
+                        Err(e) => {
+                            // A transition that panicked: free its job and slot, look again later.
+                            let Some((id, slot)) = actor.task_jobs.get(&e.id()).cloned() else { continue };
+                            tracing::error!(job_id = %id, error = %e, "job transition failed");
+                            (e.id(), (id, slot, Outcome::Retry))
+                        }
+                    };
+                    actor.task_jobs.remove(&task);
+                    actor.settle(id, slot, outcome, &events_tx);
                 }
                 _ = sleep => actor.fire_timers(),
             }
@@ -234,6 +243,10 @@ struct Actor {
     timers: BTreeMap<u64, HashSet<String>>,
     reserved: usize,
     tasks: JoinSet<(String, bool, Outcome)>,
+    /// Which job (and whether it holds a slot) each transition task is for.
+    task_jobs: HashMap<tokio::task::Id, (String, bool)>,
+    /// Exits that arrived while a transition for the job was in flight.
+    exits: HashMap<String, LocalView>,
 }
 
 /// What a transition needs to know about a local run.
@@ -261,7 +274,14 @@ impl Actor {
 
     fn reconcile_with(&mut self, id: String, exited: Option<LocalView>) {
         if self.inflight.contains(&id) {
-            self.recheck.insert(id);
+            match exited {
+                Some(view) => {
+                    self.exits.insert(id, view);
+                }
+                None => {
+                    self.recheck.insert(id);
+                }
+            }
             return;
         }
         let local = self.running.get(&id).map(|l| LocalView {
@@ -278,10 +298,12 @@ impl Actor {
         self.inflight.insert(id.clone());
         let ctx = self.ctx.clone();
         let writer = self.writer.clone();
-        self.tasks.spawn(async move {
-            let outcome = transition(&ctx, &writer, &id, local, exited, slot).await;
-            (id, slot, outcome)
+        let job = id.clone();
+        let handle = self.tasks.spawn(async move {
+            let outcome = transition(&ctx, &writer, &job, local, exited, slot).await;
+            (job, slot, outcome)
         });
+        self.task_jobs.insert(handle.id(), (id, slot));
     }
 
     fn settle(
@@ -319,13 +341,34 @@ impl Actor {
                 self.running.insert(id.clone(), *local);
                 let events = events.clone();
                 let job = id.clone();
+                // Each guard has its own feeder: renewals reach it even while the actor is busy
+                // resyncing, and the first one cannot fall between spawn and registration.
+                let mut deadlines = self.writer.term().deadlines();
                 tokio::spawn(async move {
-                    let _ = guard.exited.await;
+                    let spawn::Guard {
+                        feed, mut exited, ..
+                    } = guard;
+                    feed.deadline(*deadlines.borrow_and_update());
+                    loop {
+                        tokio::select! {
+                            _ = &mut exited => break,
+                            changed = deadlines.changed() => match changed {
+                                Ok(()) => feed.deadline(*deadlines.borrow_and_update()),
+                                Err(_) => {
+                                    let _ = (&mut exited).await;
+                                    break;
+                                }
+                            },
+                        }
+                    }
                     let _ = events.send(Event::Exited { id: job, attempt });
                 });
             }
         }
-        if self.recheck.remove(&id) {
+        if let Some(view) = self.exits.remove(&id) {
+            self.recheck.remove(&id);
+            self.reconcile_with(id, Some(view));
+        } else if self.recheck.remove(&id) {
             self.reconcile(id);
         }
         self.fill_slots();
@@ -377,12 +420,21 @@ impl Actor {
             l.feed.abandon();
         }
         self.tasks.abort_all();
+        // A transition may have spawned a guard just before the abort took effect.
+        let mut late = Vec::new();
+        while let Some(done) = self.tasks.join_next().await {
+            if let Ok((_, _, Outcome::Started(_, g))) = done {
+                g.feed.abandon();
+                late.push(g.pid);
+            }
+        }
         let n = self.running.len();
         if n > 0 {
             tracing::info!(jobs = n, "term over: killed all running jobs");
         }
         // The guards exit within milliseconds of SIGHUP; their pipes are already closed.
-        let pids: Vec<i32> = self.running.values().map(|l| l.feed.pid()).collect();
+        let mut pids: Vec<i32> = self.running.values().map(|l| l.feed.pid()).collect();
+        pids.extend(late);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         for pid in pids {
             while nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
@@ -417,7 +469,9 @@ const PAGE: i64 = 500;
 
 async fn read_pages(ctx: &Ctx) -> Result<(i64, Vec<String>, usize), jobs::Error> {
     let mut rev = 0;
-    let mut ids = BTreeSet::new();
+    // Registry entries are created with their job in the submit transaction: ordering by their
+    // create revision restarts jobs in submission order.
+    let mut ids: Vec<(i64, String)> = Vec::new();
     let mut dirty = 0;
     for (prefix, is_dirty) in [
         (ctx.keys.registry(), false),
@@ -433,7 +487,7 @@ async fn read_pages(ctx: &Ctx) -> Result<(i64, Vec<String>, usize), jobs::Error>
                     if is_dirty {
                         dirty += 1;
                     } else {
-                        ids.insert(id.to_string());
+                        ids.push((kv.create_revision(), id.to_string()));
                     }
                     after = id.to_string();
                 }
@@ -443,7 +497,14 @@ async fn read_pages(ctx: &Ctx) -> Result<(i64, Vec<String>, usize), jobs::Error>
             }
         }
     }
-    Ok((rev, ids.into_iter().collect(), dirty))
+    ids.sort();
+    let mut seen = HashSet::new();
+    let ids = ids
+        .into_iter()
+        .filter(|(_, id)| seen.insert(id.clone()))
+        .map(|(_, id)| id)
+        .collect();
+    Ok((rev, ids, dirty))
 }
 
 fn retry_delay(cfg: &RunnerConfig, failed: u32) -> Duration {
@@ -535,7 +596,10 @@ async fn transition(
             let dir = storage::job_dir(&ctx.config.storage_dir, id);
             let rec = guard::read_exit(&dir, &format!("attempt-{}", entry.attempt));
             match rec {
-                Some(r) if r.killed_by.is_none() || snap.cancel.is_some() => {
+                Some(r)
+                    if matches!(r.killed_by, None | Some(KilledBy::Timeout))
+                        || snap.cancel.is_some() =>
+                {
                     tracing::info!(
                         job_id = id,
                         attempt = entry.attempt,
@@ -693,14 +757,15 @@ impl JobCtx<'_> {
                 tracing::error!(job_id = self.id(), error = %e, "cannot start the guard");
                 // Back to PENDING after a pause; the next reconcile will try again.
                 let mut back = self.entry.clone();
+                back.status = RegistryStatus::Pending;
+                back.term = term.revision();
                 back.not_before_ms = records::now_ms() + 1000;
                 back.last_error = Some(format!("cannot start the guard: {e}"));
                 let k = self.ctx.keys.job(self.id());
-                let compares = vec![Compare::mod_revision(
-                    k.registry.clone(),
-                    CompareOp::Equal,
-                    rev,
-                )];
+                let compares = vec![
+                    Compare::create_revision(k.spec.clone(), CompareOp::Equal, self.incarnation),
+                    Compare::mod_revision(k.registry.clone(), CompareOp::Equal, rev),
+                ];
                 let _ = self
                     .write(
                         compares,

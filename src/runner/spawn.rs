@@ -108,7 +108,7 @@ pub fn spawn(launch: Launch, first_deadline: BootInstant) -> std::io::Result<Gua
                 cmd.pre_exec(move || {
                     nix::sys::prctl::set_pdeathsig(Signal::SIGHUP).map_err(std::io::Error::from)?;
                     if getppid().as_raw() != parent {
-                        std::process::exit(crate::runner::guard::NOT_STARTED);
+                        nix::libc::_exit(crate::runner::guard::NOT_STARTED);
                     }
                     Ok(())
                 });
@@ -167,6 +167,9 @@ fn guard_command(l: &Launch) -> Command {
     cmd.arg("--")
         .args(&l.command)
         .env_clear()
+        // Its own group: a stop or interrupt aimed at the replica's group must not freeze
+        // the guards while their jobs run on.
+        .process_group(0)
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit());
