@@ -70,7 +70,7 @@ async fn a_cleanup_failing_three_times_then_succeeding_ends_clean_after_growing_
     c.submit(
         0,
         "flaky",
-        with_cleanup("echo work > $BATON_JOB_DIR/out", script, &l),
+        with_cleanup("echo work; echo work > $BATON_JOB_DIR/out", script, &l),
     )
     .await;
     let pending = c
@@ -102,6 +102,21 @@ async fn a_cleanup_failing_three_times_then_succeeding_ends_clean_after_growing_
     assert!(
         !c.job_dir("flaky").exists(),
         "stage 2 removes the job folder"
+    );
+    let logs = c
+        .jobs(2)
+        .await
+        .get_job_logs(baton::proto::GetJobLogsRequest {
+            job_id: "flaky".into(),
+            attempt: 0,
+            tail_bytes: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        logs.content, b"work\n",
+        "after cleanup the result's log tail answers"
     );
     let mut etcd = etcd_client::Client::connect(c.etcd.endpoints(), None)
         .await

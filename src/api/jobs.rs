@@ -387,19 +387,20 @@ impl JobService for JobApi {
         };
         let dir = storage::job_dir(&self.storage_dir, &req.job_id);
         let path = guard::log_path(&dir, &format!("attempt-{attempt}"));
-        let content = read_tail(&path, tail).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                match snap.result() {
-                    Some(r) => Status::not_found(format!(
-                        "the log of attempt {attempt} is gone (cleaned up); its last lines were:\n{}",
-                        r.log_tail
-                    )),
-                    None => Status::not_found(format!("no log for attempt {attempt}")),
+        let content = match read_tail(&path, tail) {
+            Ok(c) => c,
+            // Cleanup removed the folder: the final attempt's tail lives on in the result.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match snap.result() {
+                Some(r) if attempt == r.attempts => r.log_tail.clone().into_bytes(),
+                Some(_) => {
+                    return Err(Status::not_found(format!(
+                        "the log of attempt {attempt} was removed by cleanup; only the final attempt's tail is kept"
+                    )))
                 }
-            } else {
-                Status::internal(format!("cannot read {}: {e}", path.display()))
-            }
-        })?;
+                None => return Err(Status::not_found(format!("no log for attempt {attempt}"))),
+            },
+            Err(e) => return Err(Status::internal(format!("cannot read {}: {e}", path.display()))),
+        };
         Ok(Response::new(proto::GetJobLogsResponse {
             attempt,
             content,
