@@ -105,3 +105,61 @@ fn bad_drill_settings_are_refused() {
     assert_ne!(code, Some(0));
     assert!(err.contains("unknown fault"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_cluster_is_drilled_through_fault_commands() {
+    use support::{Cluster, Options};
+    let c = Cluster::start(Options::default());
+    c.wait_leader(&c.all_indices(), std::time::Duration::from_secs(30), |_| {
+        true
+    })
+    .await;
+    let eps: Vec<String> = c.replicas.iter().map(|r| r.listen().to_string()).collect();
+    // `[d]` keeps pkill from matching the shell that runs it.
+    let kill = "pkill -KILL -f -- '--replica-i[d] {replica} '";
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(BIN)
+            .args([
+                "drill",
+                "--endpoints",
+                &eps.join(","),
+                "--cluster",
+                "test",
+                "--faults",
+                "kill",
+            ])
+            .args([
+                "--etcd-endpoints",
+                &c.etcd.endpoints().join(","),
+                "--kill-cmd",
+                kill,
+            ])
+            .args([
+                "--jobs",
+                "20",
+                "--rate",
+                "10",
+                "--recovery-wait",
+                "1s",
+                "--seed",
+                "5",
+            ])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    for n in [1, 3, 4, 6] {
+        assert!(stdout.contains(&format!("[PASS] {n}.")), "{stdout}");
+    }
+    assert!(
+        stdout.contains("[NOT CHECKED] 2.") && stdout.contains("[NOT CHECKED] 5."),
+        "{stdout}"
+    );
+    assert!(stdout.contains(" kill "), "{stdout}");
+}

@@ -6,6 +6,7 @@
 //! that ignore lease deadlines, which a pause fault turns into overlapping executions.
 
 mod check;
+mod remote;
 mod report;
 mod workload;
 
@@ -63,6 +64,26 @@ pub struct DrillArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Drill an existing cluster through these replica addresses instead of a local one.
+    #[arg(long, value_delimiter = ',')]
+    pub endpoints: Vec<String>,
+    /// The existing cluster's etcd (the checks read it).
+    #[arg(long, value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+    /// The existing cluster's name (`--cluster` of its replicas).
+    #[arg(long, default_value = "default")]
+    pub cluster: String,
+    /// Command that SIGKILLs a replica, `{replica}` replaced by its id, e.g.
+    /// `kubectl delete pod {replica} --grace-period=0 --force`.
+    #[arg(long)]
+    pub kill_cmd: Option<String>,
+    /// Command that SIGTERMs a replica, e.g. `kubectl delete pod {replica}`.
+    #[arg(long)]
+    pub term_cmd: Option<String>,
+    /// Existing cluster: how long to wait after a fault for every replica to campaign again
+    /// (the orchestrator restarting the victim) before the next fault.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "60s")]
+    pub recovery_wait: Duration,
     /// Run guards that ignore lease deadlines: the drill must then report overlapping executions.
     #[arg(long, hide = true)]
     pub negative_control: bool,
@@ -124,12 +145,17 @@ impl Lab {
         }
     }
 
-    pub fn ledger(&self) -> PathBuf {
-        self.dir.join("executions.jsonl")
-    }
-
-    pub fn state_dir(&self) -> PathBuf {
-        self.dir.join("workload")
+    pub fn target(&self) -> check::Target {
+        check::Target {
+            etcd: self.etcd.endpoints(),
+            cluster: self.cluster.clone(),
+            ledger: Some(self.dir.join("executions.jsonl")),
+            role_logs: self
+                .replicas
+                .iter()
+                .map(|r| (r.id().to_string(), r.role_log_path()))
+                .collect(),
+        }
     }
 
     /// The leader as some live replica answers, and whether it also says it is the leader.
@@ -182,7 +208,6 @@ fn start_lab(args: &DrillArgs, dir: &std::path::Path) -> anyhow::Result<Lab> {
     let etcd = EtcdCluster::start(&args.etcd_bin, &dir.join("etcd"), args.etcd_members)?;
     let storage = dir.join("storage");
     let ledger = dir.join("executions.jsonl");
-    std::fs::create_dir_all(dir.join("workload"))?;
     let mut proxies = Vec::new();
     let mut replicas = Vec::new();
     for i in 0..args.replicas.max(2) {
@@ -256,6 +281,14 @@ impl Lab {
 /// Runs a drill; the exit code is 0 when every invariant holds.
 pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
     let seed = args.seed.unwrap_or_else(|| BootInstant::now().as_nanos());
+    if !args.endpoints.is_empty() {
+        eprintln!(
+            "drill: seed {seed}, existing cluster {:?} at {}",
+            args.cluster,
+            args.endpoints.join(",")
+        );
+        return remote::run(args, seed).await;
+    }
     let mut faults: Vec<String> = if args.faults.is_empty() {
         ALL_FAULTS
             .iter()
@@ -293,7 +326,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
         .context("no leader at the start")?;
     let members = args.etcd_members.max(1);
 
-    let workload = workload::start(&lab, &args, seed);
+    let workload = workload::start(lab.client(), &args, seed);
     let mut rounds = Vec::new();
     let mut round = 0;
     loop {
@@ -318,8 +351,9 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
         }
     }
     let submitted = workload.finish().await;
-    let drained = check::drain(&lab, Duration::from_secs(180)).await;
-    let verdicts = check::verify(&lab, &submitted, &rounds, drained).await?;
+    let target = lab.target();
+    let drained = check::drain(&target, Duration::from_secs(180)).await;
+    let verdicts = check::verify(&target, &submitted, &rounds, drained).await?;
     let report = Report {
         seed,
         faults: rounds.len(),
@@ -373,13 +407,13 @@ async fn inject(
 ) -> anyhow::Result<Round> {
     let leader_fault = !matches!(fault, "etcd-kill" | "follower-kill");
     if leader_fault {
-        check::wait_running(lab, Duration::from_secs(10)).await;
+        check::wait_running(&lab.target(), Duration::from_secs(10)).await;
     }
     let before = wait_leader(lab, Duration::from_secs(60)).await?;
     let k = lab
         .index_of(&before.replica_id)
         .context("the leader is not one of ours")?;
-    let dirty_before = check::count_prefix(lab, "results/dirty/")
+    let dirty_before = check::count_prefix(&lab.target(), "results/dirty/")
         .await
         .unwrap_or(0);
     let t0 = Instant::now();
@@ -452,7 +486,7 @@ async fn inject(
     if !leader_fault {
         new_term = after.term;
     }
-    let resumed = check::first_start_after(lab, b0, new_term);
+    let resumed = check::first_start_after(&lab.target(), b0, new_term);
     Ok(Round {
         round,
         fault: fault.to_string(),
@@ -461,7 +495,7 @@ async fn inject(
         no_leader_ms: no_leader.map(|d| d.as_millis() as u64),
         serving_ms: serving.map(|d| d.as_millis() as u64),
         jobs_running_again_ms: resumed.map(|b| b0.until(b).as_millis() as u64),
-        restarted: check::restarted_in(lab, b0, new_term),
+        restarted: check::restarted_in(&lab.target(), b0, new_term),
         cleanups_resumed: if leader_fault { dirty_before } else { 0 },
     })
 }

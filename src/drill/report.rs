@@ -110,7 +110,13 @@ impl Report {
             let _ = writeln!(
                 s,
                 "[{}] {}. {}",
-                if v.passed { "PASS" } else { "FAIL" },
+                if !v.checked {
+                    "NOT CHECKED"
+                } else if v.passed {
+                    "PASS"
+                } else {
+                    "FAIL"
+                },
                 v.invariant.number,
                 v.invariant.name
             );

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use super::{DrillArgs, Lab, Rng};
+use super::{DrillArgs, Rng};
 use crate::config::ClientArgs;
 use crate::proto::job_service_client::JobServiceClient;
 use crate::proto::{JobSpec, SubmitJobRequest};
@@ -43,7 +43,7 @@ impl Workload {
     }
 }
 
-fn spec(kind: Kind, state: &str) -> JobSpec {
+fn spec(kind: Kind) -> JobSpec {
     let sh = |s: &str| vec!["sh".to_string(), "-c".to_string(), s.to_string()];
     let mut spec = JobSpec {
         command: match kind {
@@ -53,12 +53,12 @@ fn spec(kind: Kind, state: &str) -> JobSpec {
         max_attempts: 3,
         ..Default::default()
     };
-    spec.env.insert("STATE".into(), state.into());
     match kind {
         Kind::Cleanup => spec.cleanup_command = sh("sleep 0.1"),
         Kind::FlakyCleanup => {
             spec.cleanup_command = sh(
-                "f=$STATE/$BATON_JOB_ID.cleanups; n=$(cat $f 2>/dev/null || echo 0); \
+                // The job folder outlives failed stage-1 attempts (stage 2 removes it).
+                "f=$BATON_JOB_DIR/cleanups; n=$(cat $f 2>/dev/null || echo 0); \
                  n=$((n+1)); echo $n > $f; [ $n -ge 3 ]",
             )
         }
@@ -67,14 +67,13 @@ fn spec(kind: Kind, state: &str) -> JobSpec {
     spec
 }
 
-pub fn start(lab: &Lab, args: &DrillArgs, seed: u64) -> Workload {
+pub fn start(client: ClientArgs, args: &DrillArgs, seed: u64) -> Workload {
     let stop = CancellationToken::new();
     let out = Arc::new(Mutex::new(Submitted::default()));
     let client = ClientArgs {
         timeout: Duration::from_secs(30),
-        ..lab.client()
+        ..client
     };
-    let state = lab.state_dir().display().to_string();
     let (n, rate) = (args.jobs, args.rate.max(0.1));
     let all_long = args.negative_control;
     let (stop2, out2) = (stop.clone(), out.clone());
@@ -97,7 +96,7 @@ pub fn start(lab: &Lab, args: &DrillArgs, seed: u64) -> Workload {
                 _ => Kind::FlakyCleanup,
             };
             let id = format!("drill-{:04}-{i:05}", seed % 10_000);
-            let spec = spec(kind, &state);
+            let spec = spec(kind);
             let (client, out, permit) = (
                 client.clone(),
                 out2.clone(),
