@@ -115,8 +115,12 @@ async fn an_existing_cluster_is_drilled_through_fault_commands() {
     })
     .await;
     let eps: Vec<String> = c.replicas.iter().map(|r| r.listen().to_string()).collect();
-    // `[d]` keeps pkill from matching the shell that runs it.
-    let kill = "pkill -KILL -f -- '--replica-i[d] {replica} '";
+    // Only this cluster's replica (its etcd port is unique to this test); `[s]` keeps pkill from
+    // matching the shell that runs it.
+    let etcd = c.etcd.endpoints().join(",");
+    let kill = format!(
+        "pkill -KILL -f -- '--etcd-endpoint[s] {etcd} --cluster test --replica-id {{replica}} '"
+    );
     let out = tokio::task::spawn_blocking(move || {
         Command::new(BIN)
             .args([
@@ -132,7 +136,7 @@ async fn an_existing_cluster_is_drilled_through_fault_commands() {
                 "--etcd-endpoints",
                 &c.etcd.endpoints().join(","),
                 "--kill-cmd",
-                kill,
+                &kill,
             ])
             .args([
                 "--jobs",
