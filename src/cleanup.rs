@@ -119,17 +119,7 @@ pub async fn run(ctx: Arc<Ctx>, writer: Writer) {
         }
         loop {
             let next_timer = timers.keys().next().copied();
-            let sleep = async {
-                match next_timer {
-                    Some(at) => {
-                        tokio::time::sleep(Duration::from_millis(
-                            at.saturating_sub(records::now_ms()),
-                        ))
-                        .await
-                    }
-                    None => std::future::pending().await,
-                }
-            };
+            let sleep = records::sleep_until_ms(next_timer);
             tokio::select! {
                 biased;
                 _ = term.ended() => break 'resync,

@@ -363,12 +363,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
         invariants: verdicts,
         dir: dir.display().to_string(),
     };
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{}", report.human());
-    }
-    let ok = report.passed();
+    let ok = report.print(args.json);
     for r in lab.replicas.iter_mut() {
         r.stop(Duration::from_secs(10));
     }

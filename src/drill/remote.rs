@@ -177,10 +177,6 @@ pub async fn run(args: DrillArgs, seed: u64) -> anyhow::Result<i32> {
         invariants,
         dir: String::new(),
     };
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{}", report.human());
-    }
-    Ok(if report.passed() { 0 } else { 1 })
+    let ok = report.print(args.json);
+    Ok(if ok { 0 } else { 1 })
 }

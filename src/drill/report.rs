@@ -65,6 +65,19 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 }
 
 impl Report {
+    /// Prints the report (JSON or text); returns whether every checked invariant holds.
+    pub fn print(&self, json: bool) -> bool {
+        if json {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(self).expect("a report serializes")
+            );
+        } else {
+            print!("{}", self.human());
+        }
+        self.passed()
+    }
+
     pub fn passed(&self) -> bool {
         self.invariants.iter().all(|v| v.passed)
     }

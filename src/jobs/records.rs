@@ -128,3 +128,16 @@ pub fn now_ms() -> u64 {
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
 }
+
+/// Sleeps until Unix ms `at`; forever for `None` (a `select!` branch with nothing scheduled).
+pub async fn sleep_until_ms(at: Option<u64>) {
+    match at {
+        Some(at) => {
+            tokio::time::sleep(std::time::Duration::from_millis(
+                at.saturating_sub(now_ms()),
+            ))
+            .await
+        }
+        None => std::future::pending().await,
+    }
+}

@@ -175,17 +175,7 @@ async fn lead(ctx: Arc<Ctx>, term: Term) {
         }
         loop {
             let next_timer = actor.timers.keys().next().copied();
-            let sleep = async {
-                match next_timer {
-                    Some(at) => {
-                        tokio::time::sleep(Duration::from_millis(
-                            at.saturating_sub(records::now_ms()),
-                        ))
-                        .await
-                    }
-                    None => std::future::pending().await,
-                }
-            };
+            let sleep = records::sleep_until_ms(next_timer);
             tokio::select! {
                 biased;
                 _ = term.ended() => break 'resync,
