@@ -53,17 +53,10 @@ fn ledger_dir() -> (tempfile::TempDir, PathBuf) {
     (t, p)
 }
 
-async fn leader_index(c: &Cluster) -> (usize, LeaderInfo) {
-    let l = c.wait_leader(&c.all_indices(), LONG, |_| true).await;
-    (c.index_of(&l.replica_id), l)
-}
-
-use baton::proto::LeaderInfo;
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cleanup_failing_three_times_then_succeeding_ends_clean_after_growing_delays() {
     let c = Cluster::start(opts(&["--cleanup-initial-delay", "200ms"]));
-    leader_index(&c).await;
+    c.leader_index().await;
     let (_t, l) = ledger_dir();
     let script = "echo \"$BATON_CLEANUP_ATTEMPT $BATON_JOB_STATUS $(date +%s%N)\" >> $L/runs; \
                   [ \"$BATON_CLEANUP_ATTEMPT\" -ge 4 ] || { echo not yet >&2; exit 1; }";
@@ -146,7 +139,7 @@ async fn a_cleanup_failing_three_times_then_succeeding_ends_clean_after_growing_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_killed_during_a_cleanup_command_is_followed_by_one_that_reruns_it() {
     let mut c = Cluster::start(Options::default());
-    let (k, old) = leader_index(&c).await;
+    let (k, old) = c.leader_index().await;
     let (_t, l) = ledger_dir();
     let script = "echo c >> $L/cleanups; if [ ! -e $L/slept ]; then touch $L/slept; sleep 60; fi";
     c.submit(0, "held", with_cleanup("echo run >> $L/runs", script, &l))
@@ -156,7 +149,7 @@ async fn a_leader_killed_during_a_cleanup_command_is_followed_by_one_that_reruns
     })
     .await;
     c.replicas[k].sigkill();
-    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    let rest = c.others(k);
     c.wait_new_leader(&rest, old.term).await;
     let j = c.wait_job(&rest, "held", LONG, "clean", clean).await;
     assert_eq!(state(&j), JobState::Finished);
@@ -175,7 +168,7 @@ async fn a_leader_killed_during_a_cleanup_command_is_followed_by_one_that_reruns
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_killed_between_stages_is_followed_by_one_that_starts_at_the_recorded_stage() {
     let mut c = Cluster::start(opts(&["--cleanup-pause-after-stage", "1"]));
-    let (k, old) = leader_index(&c).await;
+    let (k, old) = c.leader_index().await;
     let (_t, l) = ledger_dir();
     c.submit(
         0,
@@ -191,7 +184,7 @@ async fn a_leader_killed_between_stages_is_followed_by_one_that_starts_at_the_re
     assert_eq!(cleanup_state(&j), CleanupState::CleanupPending);
     assert!(c.job_dir("staged").exists(), "held before stage 2");
     c.replicas[k].sigkill();
-    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    let rest = c.others(k);
     c.wait_new_leader(&rest, old.term).await;
     let j = c.wait_job(&rest, "staged", LONG, "clean", clean).await;
     assert_eq!(j.cleanup.unwrap().stage, 3);
@@ -211,7 +204,7 @@ async fn exhausted_cleanups_need_an_operator_and_cleanup_now_finishes_them() {
         "--cleanup-initial-delay",
         "100ms",
     ]));
-    leader_index(&c).await;
+    c.leader_index().await;
     let (_t, l) = ledger_dir();
     c.submit(
         0,
@@ -269,7 +262,7 @@ async fn a_thousand_dirty_jobs_at_failover_all_become_clean_within_the_concurren
         "--max-running",
         "200",
     ]));
-    let (k, old) = leader_index(&c).await;
+    let (k, old) = c.leader_index().await;
     let (_t, l) = ledger_dir();
     let n = 1000;
     let script = "echo \"s $(date +%s%N)\" >> $L/$BATON_JOB_ID; sleep 0.05; echo \"e $(date +%s%N)\" >> $L/$BATON_JOB_ID";
@@ -319,7 +312,7 @@ async fn a_thousand_dirty_jobs_at_failover_all_become_clean_within_the_concurren
     .await;
     c.replicas[k].sigkill();
     let dirty_at_kill = count(CleanupState::CleanupPending).await.unwrap_or(0);
-    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    let rest = c.others(k);
     c.wait_new_leader(&rest, old.term).await;
     wait_for(
         "all results to become clean",
@@ -367,7 +360,7 @@ async fn a_thousand_dirty_jobs_at_failover_all_become_clean_within_the_concurren
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clean_results_decide_resubmissions_until_retention_expires_them() {
     let c = Cluster::start(opts(&["--result-retention", "3s"]));
-    leader_index(&c).await;
+    c.leader_index().await;
     let spec = sh("exit 0");
     c.submit(0, "kept", spec.clone()).await;
     c.wait_job(&[0], "kept", LONG, "clean", clean).await;

@@ -25,17 +25,10 @@ fn opts(extra: &[&str]) -> Options {
     }
 }
 
-async fn leader_index(c: &Cluster) -> (usize, LeaderInfo) {
-    let l = c.wait_leader(&c.all_indices(), LONG, |_| true).await;
-    (c.index_of(&l.replica_id), l)
-}
-
-use baton::proto::LeaderInfo;
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_finishes_and_a_failing_one_is_retried_with_backoff_then_failed() {
     let c = Cluster::start(opts(&["--retry-initial-delay", "300ms"]));
-    leader_index(&c).await;
+    c.leader_index().await;
     c.submit(0, "ok", sh("echo out; echo err >&2; exit 0"))
         .await;
     let mut failing = sh("echo try $BATON_ATTEMPT; exit 7");
@@ -75,7 +68,7 @@ async fn a_job_finishes_and_a_failing_one_is_retried_with_backoff_then_failed() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicate_ids_return_the_same_job_or_are_refused() {
     let c = Cluster::start(opts(&[]));
-    leader_index(&c).await;
+    c.leader_index().await;
     let spec = sh("sleep 2");
     let first = c.submit(0, "dup", spec.clone()).await;
     assert_eq!(state(&first), JobState::Pending);
@@ -142,7 +135,7 @@ async fn duplicate_ids_return_the_same_job_or_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_in_every_state_and_watch_sees_every_transition() {
     let c = Cluster::start(opts(&["--max-running", "1", "--kill-grace", "1s"]));
-    leader_index(&c).await;
+    c.leader_index().await;
     c.submit(0, "blocker", sh("sleep 60")).await;
     c.wait_job(&[0], "blocker", LONG, "running", |j| {
         state(j) == JobState::Running
@@ -237,7 +230,7 @@ async fn cancel_in_every_state_and_watch_sees_every_transition() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_followed_by_a_leader_kill_is_never_restarted() {
     let mut c = Cluster::start(opts(&["--kill-grace", "30s"]));
-    let (k, old) = leader_index(&c).await;
+    let (k, old) = c.leader_index().await;
     let f = (k + 1) % 3;
     c.submit(
         f,
@@ -256,7 +249,7 @@ async fn a_cancel_followed_by_a_leader_kill_is_never_restarted() {
     .await
     .unwrap();
     c.replicas[k].sigkill();
-    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    let rest = c.others(k);
     c.wait_new_leader(&rest, old.term).await;
     let j = c
         .wait_job(&rest, "doomed", LONG, "terminal", terminal)
@@ -276,7 +269,7 @@ async fn submissions_succeed_while_there_is_no_leader_and_run_later() {
         ttl: Duration::from_secs(5),
         ..opts(&[])
     });
-    let (k, old) = leader_index(&c).await;
+    let (k, old) = c.leader_index().await;
     c.replicas[k].sigkill();
     let f = (k + 1) % 3;
     // Right after the kill the old lease is still alive in etcd: nobody leads.
@@ -289,7 +282,7 @@ async fn submissions_succeed_while_there_is_no_leader_and_run_later() {
     assert!(!resp.answered_by_leader);
     let j = c.submit(f, "leaderless", sh("exit 0")).await;
     assert_eq!(state(&j), JobState::Pending);
-    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    let rest = c.others(k);
     c.wait_new_leader(&rest, old.term).await;
     let done = c
         .wait_job(&rest, "leaderless", LONG, "finished", terminal)
@@ -300,7 +293,7 @@ async fn submissions_succeed_while_there_is_no_leader_and_run_later() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_of_the_leader_restarts_running_jobs_as_recovered_and_leaves_no_process_behind() {
     let mut c = Cluster::start(opts(&[]));
-    let (k, old) = leader_index(&c).await;
+    let (k, old) = c.leader_index().await;
     let script = "env | grep ^BATON_ > $BATON_JOB_DIR/env-$BATON_ATTEMPT; \
                   if [ \"$BATON_ATTEMPT\" = 1 ]; then \
                     sleep 60 & echo $! >> $BATON_JOB_DIR/pids-1; echo $$ >> $BATON_JOB_DIR/pids-1; \
@@ -324,7 +317,7 @@ async fn sigkill_of_the_leader_restarts_running_jobs_as_recovered_and_leaves_no_
         )
         .await;
     }
-    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    let rest = c.others(k);
     c.wait_new_leader(&rest, old.term).await;
     for id in ["grandchild", "stubborn"] {
         let j = c.wait_job(&rest, id, LONG, "terminal", terminal).await;
@@ -351,7 +344,7 @@ async fn sigkill_of_the_leader_restarts_running_jobs_as_recovered_and_leaves_no_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_leaders_guard_kills_the_job_before_the_next_leader_starts_it() {
     let c = Cluster::start(opts(&[]));
-    let (k, old) = leader_index(&c).await;
+    let (k, old) = c.leader_index().await;
     c.submit(
         0,
         "long",
@@ -363,7 +356,7 @@ async fn a_paused_leaders_guard_kills_the_job_before_the_next_leader_starts_it()
     })
     .await;
     c.replicas[k].pause();
-    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    let rest = c.others(k);
     c.wait_new_leader(&rest, old.term).await;
     let j = c.wait_job(&rest, "long", LONG, "finished", terminal).await;
     c.replicas[k].resume();
@@ -388,7 +381,7 @@ async fn a_job_that_exited_before_the_leader_died_is_recorded_from_its_exit_file
         ttl: Duration::from_secs(5),
         ..opts(&[])
     });
-    let (k, old) = leader_index(&c).await;
+    let (k, old) = c.leader_index().await;
     c.submit(
         0,
         "quick",
@@ -406,7 +399,7 @@ async fn a_job_that_exited_before_the_leader_died_is_recorded_from_its_exit_file
     })
     .await;
     c.replicas[k].sigkill();
-    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    let rest = c.others(k);
     c.wait_new_leader(&rest, old.term).await;
     let j = c.wait_job(&rest, "quick", LONG, "terminal", terminal).await;
     // max_attempts defaults to 3, so exit 4 counts as a failed attempt and is retried; but the
@@ -421,7 +414,7 @@ async fn a_job_that_exited_before_the_leader_died_is_recorded_from_its_exit_file
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_jobs_survive_two_leader_kills() {
     let mut c = Cluster::start(opts(&["--max-running", "300"]));
-    let (mut k, mut leader) = leader_index(&c).await;
+    let (mut k, mut leader) = c.leader_index().await;
     let n = 1000;
     let started = Instant::now();
     let mut clients = Vec::new();
@@ -446,7 +439,7 @@ async fn a_thousand_jobs_survive_two_leader_kills() {
         })
         .await;
         c.replicas[k].sigkill();
-        let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+        let rest = c.others(k);
         let killed_at = Instant::now();
         let (nk, nl) = c.wait_new_leader(&rest, leader.term).await;
         println!("new leader after {} ms", killed_at.elapsed().as_millis());
@@ -508,7 +501,7 @@ async fn a_thousand_jobs_survive_two_leader_kills() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_refused_with_the_field_named_and_corrupt_values_block_nothing() {
     let c = Cluster::start(opts(&[]));
-    leader_index(&c).await;
+    c.leader_index().await;
     let mut jobs = c.jobs(0).await;
     let bad = |id: &str, spec: Option<JobSpec>| {
         let req = SubmitJobRequest {
@@ -604,7 +597,7 @@ async fn a_replica_with_another_storage_folder_refuses_to_start() {
         replicas: 1,
         ..Options::default()
     });
-    leader_index(&c).await;
+    c.leader_index().await;
     let other = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(BIN)
         .args([
@@ -632,7 +625,7 @@ async fn a_replica_with_another_storage_folder_refuses_to_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeouts_fail_attempts_and_queued_jobs_start_in_submission_order() {
     let c = Cluster::start(opts(&["--max-running", "1"]));
-    leader_index(&c).await;
+    c.leader_index().await;
     let mut slow = sh("sleep 30");
     slow.max_attempts = 1;
     slow.timeout = Some(prost_types::Duration {
@@ -659,7 +652,7 @@ async fn timeouts_fail_attempts_and_queued_jobs_start_in_submission_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_recoveries_stops_a_job_from_crash_looping_the_cluster() {
     let mut c = Cluster::start(opts(&["--max-recoveries", "0"]));
-    let (k, old) = leader_index(&c).await;
+    let (k, old) = c.leader_index().await;
     c.submit(
         0,
         "fragile",
@@ -671,7 +664,7 @@ async fn max_recoveries_stops_a_job_from_crash_looping_the_cluster() {
     })
     .await;
     c.replicas[k].sigkill();
-    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    let rest = c.others(k);
     c.wait_new_leader(&rest, old.term).await;
     let j = c
         .wait_job(&rest, "fragile", LONG, "terminal", terminal)
@@ -685,7 +678,7 @@ async fn max_recoveries_stops_a_job_from_crash_looping_the_cluster() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_submits_waits_lists_cancels_and_shows_logs() {
     let c = Cluster::start(opts(&[]));
-    leader_index(&c).await;
+    c.leader_index().await;
     let eps: Vec<String> = c.replicas.iter().map(|r| r.listen().to_string()).collect();
     // A dead endpoint first: the CLI moves on to the next one.
     let dead = format!("127.0.0.1:{}", baton::devcluster::free_port());

@@ -75,7 +75,7 @@ async fn sigkill_of_the_leader_elects_a_new_one_with_a_higher_term() {
     let k = c.index_of(&old.replica_id);
     let killed_at = Instant::now();
     c.replicas[k].sigkill();
-    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    let rest = c.others(k);
     let new = c
         .wait_leader(&rest, c.ttl * 3 + Duration::from_secs(5), |t| t > old.term)
         .await;
@@ -101,7 +101,7 @@ async fn sigterm_hands_over_well_before_the_lease_could_expire() {
     let k = c.index_of(&old.replica_id);
     let asked = Instant::now();
     c.replicas[k].sigterm();
-    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    let rest = c.others(k);
     let new = c
         .wait_leader(&rest, Duration::from_secs(15), |t| t > old.term)
         .await;
@@ -180,7 +180,7 @@ async fn leader_cut_off_from_etcd_steps_down_before_anyone_else_leads() {
         .await;
     let k = c.index_of(&old.replica_id);
     c.cut_off(k);
-    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    let rest = c.others(k);
     let new = c
         .wait_leader(&rest, c.ttl * 3 + Duration::from_secs(5), |t| t > old.term)
         .await;
@@ -263,7 +263,7 @@ async fn a_paused_leader_steps_down_on_waking_and_its_fence_fails() {
         .unwrap();
     c.replicas[k].pause();
     let paused = Instant::now();
-    let rest: Vec<usize> = c.all_indices().into_iter().filter(|&i| i != k).collect();
+    let rest = c.others(k);
     let new = c
         .wait_leader(&rest, c.ttl * 3 + Duration::from_secs(5), |t| t > old.term)
         .await;

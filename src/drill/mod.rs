@@ -354,15 +354,13 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
     let target = lab.target();
     let drained = check::drain(&target, Duration::from_secs(180)).await;
     let verdicts = check::verify(&target, &submitted, &rounds, drained).await?;
-    let report = Report {
+    let report = Report::new(
         seed,
-        faults: rounds.len(),
         rounds,
-        submitted: submitted.acked.len(),
-        submit_failures: submitted.failures.len(),
-        invariants: verdicts,
-        dir: dir.display().to_string(),
-    };
+        &submitted,
+        verdicts,
+        dir.display().to_string(),
+    );
     let ok = report.print(args.json);
     for r in lab.replicas.iter_mut() {
         r.stop(Duration::from_secs(10));

@@ -168,15 +168,7 @@ pub async fn run(args: DrillArgs, seed: u64) -> anyhow::Result<i32> {
     let submitted = workload.finish().await;
     let drained = check::drain(&target, Duration::from_secs(300)).await;
     let invariants = check::verify(&target, &submitted, &rounds, drained).await?;
-    let report = Report {
-        seed,
-        faults: rounds.len(),
-        rounds,
-        submitted: submitted.acked.len(),
-        submit_failures: submitted.failures.len(),
-        invariants,
-        dir: String::new(),
-    };
+    let report = Report::new(seed, rounds, &submitted, invariants, String::new());
     let ok = report.print(args.json);
     Ok(if ok { 0 } else { 1 })
 }

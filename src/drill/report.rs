@@ -65,6 +65,24 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 }
 
 impl Report {
+    pub fn new(
+        seed: u64,
+        rounds: Vec<Round>,
+        submitted: &super::workload::Submitted,
+        invariants: Vec<Verdict>,
+        dir: String,
+    ) -> Report {
+        Report {
+            seed,
+            faults: rounds.len(),
+            rounds,
+            submitted: submitted.acked.len(),
+            submit_failures: submitted.failures.len(),
+            invariants,
+            dir,
+        }
+    }
+
     /// Prints the report (JSON or text); returns whether every checked invariant holds.
     pub fn print(&self, json: bool) -> bool {
         if json {

@@ -140,6 +140,19 @@ impl Cluster {
         (0..self.replicas.len()).collect()
     }
 
+    /// Every replica but `k`.
+    pub fn others(&self, k: usize) -> Vec<usize> {
+        self.all_indices().into_iter().filter(|&i| i != k).collect()
+    }
+
+    /// The replica all agree leads, with its index.
+    pub async fn leader_index(&self) -> (usize, LeaderInfo) {
+        let l = self
+            .wait_leader(&self.all_indices(), Duration::from_secs(60), |_| true)
+            .await;
+        (self.index_of(&l.replica_id), l)
+    }
+
     pub fn role_events(&self) -> Vec<RoleEvent> {
         self.replicas.iter().flat_map(|r| r.role_events()).collect()
     }
