@@ -72,6 +72,13 @@ impl fmt::Display for BootInstant {
     }
 }
 
+/// Wall-clock milliseconds since the Unix epoch, for records humans read (never for deadlines).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

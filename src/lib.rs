@@ -1,22 +1,24 @@
 //! Baton: a high-availability job coordinator on etcd.
 //!
 //! The folder layout follows the architecture: `store` (etcd access and key layout),
-//! `election` (lease, campaign, fenced terms, the role channel), `api` (gRPC), `cli` (client
+//! `election` (lease, campaign, fenced terms, the role channel), `coordinator` (what the leader
+//! does: the job actor, recovery, cleanup), `exec` (the spawner and the lease guard, which know
+//! nothing of leadership), `jobs` (specs and stored records), `api` (gRPC), `cli` (client
 //! commands), `server` (one replica wired together), `devcluster` (local clusters for `baton
 //! dev`, drills and tests), `rolelog` (the audit trail of leadership).
 
 pub mod api;
-pub mod cleanup;
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod coordinator;
 pub mod devcluster;
 pub mod drill;
 pub mod election;
+pub mod exec;
 pub mod jobs;
 pub mod logging;
 pub mod rolelog;
-pub mod runner;
 pub mod server;
 pub mod store;
 

@@ -8,7 +8,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // The guard is a small synchronous process: no runtime, no logging setup.
     if let Command::Guard(args) = cli.command {
-        return ExitCode::from(baton::runner::guard::run(args) as u8);
+        return ExitCode::from(baton::exec::guard::run(args) as u8);
     }
     let role_log = match &cli.command {
         Command::Serve(s) => s.role_log.clone(),

@@ -40,7 +40,17 @@ pub fn became_leader(
     );
 }
 
-pub fn stepped_down(replica: &str, term: i64, lease: i64, at: BootInstant, reason: &str) {
+/// A term's end, with what its keepalives looked like: when the last one was answered and the
+/// longest time the lease went without an answer (up to the step-down).
+pub fn stepped_down(
+    replica: &str,
+    term: i64,
+    lease: i64,
+    at: BootInstant,
+    reason: &str,
+    last_keepalive: BootInstant,
+    longest_gap: Duration,
+) {
     tracing::info!(
         target: TARGET,
         event = "stepped_down",
@@ -49,6 +59,8 @@ pub fn stepped_down(replica: &str, term: i64, lease: i64, at: BootInstant, reaso
         lease,
         boottime_ns = at.as_nanos(),
         reason,
+        last_keepalive_ns = last_keepalive.as_nanos(),
+        longest_keepalive_gap_ms = longest_gap.as_millis() as u64,
         "stepped down"
     );
 }
@@ -83,6 +95,12 @@ pub struct RoleEvent {
     pub margin_ns: Option<u64>,
     #[serde(default)]
     pub reason: Option<String>,
+    /// On `stepped_down`: when the last keepalive was answered.
+    #[serde(default)]
+    pub last_keepalive_ns: Option<u64>,
+    /// On `stepped_down`: the longest time without an answered keepalive.
+    #[serde(default)]
+    pub longest_keepalive_gap_ms: Option<u64>,
 }
 
 /// Reads the role events out of JSON log text; lines of other targets are skipped. A role line
@@ -204,6 +222,8 @@ mod tests {
             valid_until_ns: valid,
             margin_ns: Some(100),
             reason: None,
+            last_keepalive_ns: None,
+            longest_keepalive_gap_ms: None,
         }
     }
 

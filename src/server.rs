@@ -11,10 +11,10 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{self, ClusterApi, JobApi};
-use crate::cleanup::CleanupConfig;
 use crate::config::{ConfigError, ServeArgs};
+use crate::coordinator::{self, storage, CleanupConfig, CoordinatorConfig};
 use crate::election::{self, ElectionConfig, Role};
-use crate::runner::{self, storage, RunnerConfig};
+use crate::exec::spawner::GuardSettings;
 use crate::store::{self, Keys, Store};
 
 #[derive(Debug, thiserror::Error)]
@@ -79,16 +79,22 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         advertise = %config.advertise,
         "replica starting"
     );
-    let runner_config = RunnerConfig {
+    let coordinator_config = CoordinatorConfig {
         replica_id: replica_id.clone(),
         storage_dir: storage_dir.clone(),
-        guard_bin,
+        guard: GuardSettings {
+            guard_bin,
+            margin: config.margin,
+            kill_grace: args.kill_grace,
+            nice: args.job_nice,
+            ledger: args.execution_ledger.clone(),
+            unsafe_ignore_deadlines: args.unsafe_ignore_guard_deadlines,
+        },
         max_running: args.max_running,
+        max_starts_per_second: args.max_starts_per_second,
         max_recoveries: args.max_recoveries,
         retry_initial: args.retry_initial_delay,
         retry_max: args.retry_max_delay,
-        kill_grace: args.kill_grace,
-        margin: config.margin,
         cleanup: CleanupConfig {
             initial_delay: args.cleanup_initial_delay,
             max_delay: args.cleanup_max_delay,
@@ -98,13 +104,11 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
             retention: args.result_retention,
             pause_after_stage: args.cleanup_pause_after_stage,
         },
-        execution_ledger: args.execution_ledger.clone(),
-        unsafe_ignore_deadlines: args.unsafe_ignore_guard_deadlines,
     };
-    tokio::spawn(runner::run(
+    tokio::spawn(coordinator::run(
         store.clone(),
         keys.clone(),
-        runner_config,
+        coordinator_config,
         role_rx.clone(),
     ));
     let election = tokio::spawn(election::run(

@@ -10,7 +10,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use baton::clock::BootInstant;
-use baton::runner::guard::{read_exit, KilledBy, NOT_STARTED};
+use baton::exec::guard::NOT_STARTED;
+use baton::exec::record::{read_exit, KilledBy};
 use support::{alive, read_pids, wait_until, BIN};
 
 fn guard(dir: &Path, timeout: &str, script: &str) -> Child {

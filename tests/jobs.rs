@@ -6,7 +6,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use baton::runner::guard::KilledBy;
+use baton::exec::record::KilledBy;
 use support::*;
 use tonic::Code;
 

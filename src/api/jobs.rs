@@ -10,11 +10,12 @@ use etcd_client::WatchOptions;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::jobs::records::{JobResult, RegistryEntry, RegistryStatus};
+use crate::coordinator::storage;
+use crate::exec::record;
+use crate::jobs::records::{self, JobResult, RegistryEntry, RegistryStatus};
 use crate::jobs::spec::{self, JobSpec};
 use crate::jobs::{self, Snapshot, State};
 use crate::proto::{self, job_service_server::JobService};
-use crate::runner::{guard, storage};
 use crate::store::codec;
 use crate::store::{Keys, Store};
 
@@ -110,6 +111,18 @@ fn from_registry(job: &mut proto::Job, e: &RegistryEntry) {
     job.recoveries = e.recoveries;
     job.error = e.last_error.clone().unwrap_or_default();
     job.started_unix_ms = e.first_started_ms as i64;
+    if e.status == RegistryStatus::Pending {
+        job.waiting_reason = waiting_reason(e, records::now_ms());
+    }
+}
+
+/// Why a PENDING entry has not started, as far as the entry itself tells.
+fn waiting_reason(e: &RegistryEntry, now_ms: u64) -> String {
+    if e.not_before_ms > now_ms {
+        let secs = (e.not_before_ms - now_ms).div_ceil(1000);
+        return format!("retry backoff: next attempt in {secs}s");
+    }
+    "queued: jobs start in submission order within --max-running and --max-starts-per-second".into()
 }
 
 /// The user's view of a job snapshot.
@@ -386,7 +399,7 @@ impl JobService for JobApi {
             n => n.min(4 * 1024 * 1024) as u64,
         };
         let dir = storage::job_dir(&self.storage_dir, &req.job_id);
-        let path = guard::log_path(&dir, &format!("attempt-{attempt}"));
+        let path = record::log_path(&dir, &format!("attempt-{attempt}"));
         let content = match read_tail(&path, tail) {
             Ok(c) => c,
             // Cleanup removed the folder: the final attempt's tail lives on in the result.

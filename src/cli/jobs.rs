@@ -60,6 +60,7 @@ pub fn job_json(j: &Job) -> serde_json::Value {
         "exit_code": j.has_exit_code.then_some(j.exit_code),
         "signal": (j.signal != 0).then_some(j.signal),
         "error": (!j.error.is_empty()).then_some(&j.error),
+        "waiting_reason": (!j.waiting_reason.is_empty()).then_some(&j.waiting_reason),
         "cancel_requested": j.cancel_requested,
         "submitted_unix_ms": j.submitted_unix_ms,
         "started_unix_ms": j.started_unix_ms,
@@ -91,6 +92,9 @@ fn print_job(j: &Job, output: Output) {
             }
             if j.cancel_requested && !is_terminal(j) {
                 line.push_str("  cancel requested");
+            }
+            if !j.waiting_reason.is_empty() {
+                line.push_str(&format!("  ({})", j.waiting_reason));
             }
             if let Some(c) = &j.cleanup {
                 if c.state != CleanupState::CleanupNotStarted as i32 {

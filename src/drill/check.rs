@@ -10,10 +10,10 @@ use serde::Serialize;
 use super::workload::{Kind, Submitted};
 use super::Round;
 use crate::clock::BootInstant;
+use crate::exec::record::{KilledBy, LedgerEntry};
 use crate::jobs::prefix_end;
 use crate::jobs::records::{self, JobResult};
 use crate::rolelog;
-use crate::runner::guard::{KilledBy, LedgerEntry};
 use crate::store::codec;
 
 /// One of the six guarantees.
@@ -184,7 +184,7 @@ struct Execution {
     start_ns: u64,
     start_ms: u64,
     end_ns: Option<u64>,
-    exit: Option<crate::runner::guard::ExitRecord>,
+    exit: Option<crate::exec::record::ExitRecord>,
 }
 
 fn executions(l: &[LedgerEntry]) -> HashMap<String, Vec<Execution>> {

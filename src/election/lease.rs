@@ -12,6 +12,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -25,6 +26,42 @@ use crate::clock::BootInstant;
 use crate::rolelog;
 use crate::store::{self, EtcdConfig, Store};
 
+/// When keepalives were answered, for the step-down's record: the last answer and the longest
+/// gap between two answers (or between an answer and now).
+#[derive(Debug)]
+pub struct KeepaliveStats {
+    last_answered_ns: AtomicU64,
+    longest_gap_ns: AtomicU64,
+}
+
+impl KeepaliveStats {
+    fn new(at: BootInstant) -> KeepaliveStats {
+        KeepaliveStats {
+            last_answered_ns: AtomicU64::new(at.as_nanos()),
+            longest_gap_ns: AtomicU64::new(0),
+        }
+    }
+
+    fn answered(&self, at: BootInstant) {
+        let before = self
+            .last_answered_ns
+            .fetch_max(at.as_nanos(), Ordering::SeqCst);
+        self.longest_gap_ns
+            .fetch_max(at.as_nanos().saturating_sub(before), Ordering::SeqCst);
+    }
+
+    /// The last answered keepalive.
+    pub fn last_answered(&self) -> BootInstant {
+        BootInstant::from_nanos(self.last_answered_ns.load(Ordering::SeqCst))
+    }
+
+    /// The longest time without an answer, counting the time since the last one up to `now`.
+    pub fn longest_gap(&self, now: BootInstant) -> Duration {
+        let open = self.last_answered().until(now);
+        Duration::from_nanos(self.longest_gap_ns.load(Ordering::SeqCst)).max(open)
+    }
+}
+
 /// A granted lease, renewed in the background until [`Lease::stop`] or drop.
 pub struct Lease {
     id: i64,
@@ -35,6 +72,7 @@ pub struct Lease {
     stop: CancellationToken,
     term: Arc<OnceLock<Term>>,
     replica: String,
+    keepalives: Arc<KeepaliveStats>,
 }
 
 /// Proof that etcd had the lease alive: it answered a keepalive sent at `sent`.
@@ -71,6 +109,7 @@ impl Lease {
             stop: CancellationToken::new(),
             term: Arc::new(OnceLock::new()),
             replica: replica.to_owned(),
+            keepalives: Arc::new(KeepaliveStats::new(BootInstant::now())),
         };
         let keeper = Keeper {
             term: lease.term.clone(),
@@ -82,6 +121,7 @@ impl Lease {
             valid_until: lease.valid_until.clone(),
             lost: lease.lost.clone(),
             stop: lease.stop.clone(),
+            keepalives: lease.keepalives.clone(),
         };
         std::thread::Builder::new()
             .name(format!("lease-{:x}", lease.id))
@@ -112,6 +152,11 @@ impl Lease {
         self.valid_until.subscribe()
     }
 
+    /// When keepalives were answered.
+    pub fn keepalives(&self) -> Arc<KeepaliveStats> {
+        self.keepalives.clone()
+    }
+
     /// Cancelled once the lease can no longer be proven alive within the margin.
     pub fn lost(&self) -> &CancellationToken {
         &self.lost
@@ -119,6 +164,7 @@ impl Lease {
 
     /// Records a proof obtained elsewhere (the post-campaign check), logged like the keeper's.
     pub fn record(&self, proof: Proof) {
+        self.keepalives.answered(BootInstant::now());
         if proof.valid_until > self.valid_until() {
             rolelog::lease_proven(&self.replica, self.id, proof.sent, proof.valid_until);
             self.valid_until
@@ -191,6 +237,7 @@ struct Keeper {
     valid_until: Arc<watch::Sender<BootInstant>>,
     lost: CancellationToken,
     stop: CancellationToken,
+    keepalives: Arc<KeepaliveStats>,
 }
 
 enum Renewal {
@@ -289,6 +336,7 @@ impl Keeper {
                     conn = back;
                     match outcome {
                         Ok(Renewal::Proven(p)) => {
+                            self.keepalives.answered(BootInstant::now());
                             if p.valid_until > *self.valid_until.borrow() {
                                 // Logged before it is used, so the log bounds what the term relied on.
                                 rolelog::lease_proven(&self.replica, self.id, p.sent, p.valid_until);

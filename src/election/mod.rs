@@ -257,6 +257,7 @@ pub async fn confirm(
         key.key().to_vec(),
         config.margin,
         lease.subscribe(),
+        lease.keepalives(),
         lease.lost(),
         store.clone(),
     );

@@ -18,6 +18,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::lease::KeepaliveStats;
 use super::LeaderInfo;
 use crate::clock::BootInstant;
 use crate::rolelog;
@@ -62,6 +63,7 @@ struct Inner {
     key: Vec<u8>,
     margin: Duration,
     valid_until: watch::Receiver<BootInstant>,
+    keepalives: Arc<KeepaliveStats>,
     ended: CancellationToken,
     ended_once: AtomicBool,
     published: AtomicBool,
@@ -86,6 +88,7 @@ impl Term {
         key: Vec<u8>,
         margin: Duration,
         valid_until: watch::Receiver<BootInstant>,
+        keepalives: Arc<KeepaliveStats>,
         lease_lost: &CancellationToken,
         store: Store,
     ) -> Term {
@@ -94,6 +97,7 @@ impl Term {
             key,
             margin,
             valid_until,
+            keepalives,
             ended: lease_lost.child_token(),
             ended_once: AtomicBool::new(false),
             published: AtomicBool::new(false),
@@ -244,12 +248,15 @@ impl Term {
             return true;
         }
         let info = &self.0.info;
+        let now = BootInstant::now();
         rolelog::stepped_down(
             &info.replica_id,
             info.term,
             info.lease_id,
-            BootInstant::now(),
+            now,
             reason,
+            self.0.keepalives.last_answered(),
+            self.0.keepalives.longest_gap(now),
         );
         true
     }

@@ -122,12 +122,7 @@ pub struct CancelRequest {
 }
 
 /// Unix milliseconds now.
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+pub use crate::clock::unix_ms as now_ms;
 
 /// Sleeps until Unix ms `at`; forever for `None` (a `select!` branch with nothing scheduled).
 pub async fn sleep_until_ms(at: Option<u64>) {

@@ -389,8 +389,8 @@ impl Cluster {
         self.storage().join("jobs").join(id)
     }
 
-    pub fn exit_record(&self, id: &str, attempt: u32) -> Option<baton::runner::guard::ExitRecord> {
-        baton::runner::guard::read_exit(&self.job_dir(id), &format!("attempt-{attempt}"))
+    pub fn exit_record(&self, id: &str, attempt: u32) -> Option<baton::exec::record::ExitRecord> {
+        baton::exec::record::read_exit(&self.job_dir(id), &format!("attempt-{attempt}"))
     }
 
     /// Waits for any replica in `among` to lead with a term above `above`; returns its index.

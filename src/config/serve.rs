@@ -1,186 +1,12 @@
-//! Command-line configuration. Every flag can also come from a `BATON_*` environment variable.
+//! `baton serve` settings.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::Args;
 
 use crate::store::EtcdConfig;
-
-#[derive(Debug, Parser)]
-#[command(
-    name = "baton",
-    version,
-    about = "High-availability job coordinator on etcd"
-)]
-pub struct Cli {
-    /// Log output format.
-    #[arg(long, global = true, env = "BATON_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    pub log_format: LogFormat,
-    /// Log filter (tracing-subscriber's EnvFilter syntax).
-    #[arg(long, global = true, env = "BATON_LOG", default_value = "info")]
-    pub log: String,
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum Command {
-    /// Run one replica.
-    Serve(Box<ServeArgs>),
-    /// Run a private etcd and N replicas on loopback, for trying Baton out.
-    Dev(DevArgs),
-    /// Inspect or move leadership.
-    Leader {
-        #[command(subcommand)]
-        command: LeaderCommand,
-    },
-    /// Submit, inspect and cancel jobs.
-    Job {
-        #[command(subcommand)]
-        command: JobCommand,
-    },
-    /// Run a failover drill: workload, faults, then every invariant checked.
-    Drill(Box<crate::drill::DrillArgs>),
-    /// The lease guard that runs each job (started by the leader, not by hand).
-    #[command(name = "__guard", hide = true)]
-    Guard(crate::runner::guard::GuardArgs),
-}
-
-#[derive(Debug, Subcommand)]
-pub enum JobCommand {
-    /// Submit a job: `baton job submit [--id ID] -- CMD ARGS...`.
-    Submit(SubmitArgs),
-    /// Show one job.
-    Get(JobIdArgs),
-    /// List jobs.
-    List(ListArgs),
-    /// Request cancellation of a pending or running job.
-    Cancel(JobIdArgs),
-    /// Wait until the job's result is recorded; exit with the job's exit code.
-    Wait(JobIdArgs),
-    /// Print the output of an attempt (default: the latest).
-    Logs(LogsArgs),
-    /// Steer a job's cleanup: `baton job cleanup ID --now` retries it at once.
-    Cleanup(CleanupArgs),
-}
-
-#[derive(Debug, Args)]
-pub struct CleanupArgs {
-    #[command(flatten)]
-    pub client: ClientArgs,
-    pub id: String,
-    /// Retry a pending or exhausted cleanup now.
-    #[arg(long, required = true)]
-    pub now: bool,
-}
-
-#[derive(Debug, Args)]
-pub struct SubmitArgs {
-    #[command(flatten)]
-    pub client: ClientArgs,
-    /// The job id (default: a new unique one, chosen before the first try so retries are safe).
-    #[arg(long)]
-    pub id: Option<String>,
-    /// Environment for the job, `K=V`; repeatable.
-    #[arg(long = "env", value_name = "K=V")]
-    pub env: Vec<String>,
-    /// Cleanup command, run once the job is terminal (split on whitespace; use a script for more).
-    #[arg(long)]
-    pub cleanup: Option<String>,
-    /// Failed attempts allowed (0: the default, 3).
-    #[arg(long, default_value_t = 0)]
-    pub max_attempts: u32,
-    /// Per-attempt timeout (default 24h).
-    #[arg(long, value_parser = humantime::parse_duration)]
-    pub attempt_timeout: Option<Duration>,
-    /// Wait for the result after submitting, like `baton job wait`.
-    #[arg(long)]
-    pub wait: bool,
-    /// The command and its arguments.
-    #[arg(last = true, required = true)]
-    pub command: Vec<String>,
-}
-
-#[derive(Debug, Args)]
-pub struct JobIdArgs {
-    #[command(flatten)]
-    pub client: ClientArgs,
-    pub id: String,
-}
-
-#[derive(Debug, Args)]
-pub struct ListArgs {
-    #[command(flatten)]
-    pub client: ClientArgs,
-    /// pending, running, finished, failed or canceled.
-    #[arg(long)]
-    pub state: Option<String>,
-    /// pending, needs-operator or done.
-    #[arg(long)]
-    pub cleanup: Option<String>,
-    /// At most this many jobs (all pages are read up to it).
-    #[arg(long, default_value_t = 1000)]
-    pub limit: usize,
-}
-
-#[derive(Debug, Args)]
-pub struct LogsArgs {
-    #[command(flatten)]
-    pub client: ClientArgs,
-    pub id: String,
-    /// Attempt number (default: the latest).
-    #[arg(long, default_value_t = 0)]
-    pub attempt: u32,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum LeaderCommand {
-    /// Show the current leader.
-    Get(ClientArgs),
-    /// Ask the current leader to step down and campaign again behind the others.
-    Resign(ResignArgs),
-}
-
-#[derive(Debug, Clone, Args)]
-pub struct ClientArgs {
-    /// Replica addresses, tried in turn.
-    #[arg(
-        long,
-        env = "BATON_ENDPOINTS",
-        value_delimiter = ',',
-        default_value = "127.0.0.1:7600"
-    )]
-    pub endpoints: Vec<String>,
-    /// Per-call timeout.
-    #[arg(long, env = "BATON_TIMEOUT", value_parser = humantime::parse_duration, default_value = "5s")]
-    pub timeout: Duration,
-    /// Output format.
-    #[arg(short = 'o', long, env = "BATON_OUTPUT", value_enum, default_value_t = Output::Text)]
-    pub output: Output,
-}
-
-#[derive(Debug, Args)]
-pub struct ResignArgs {
-    #[command(flatten)]
-    pub client: ClientArgs,
-    /// Resign only if this term is still current (default: whatever term is current).
-    #[arg(long, env = "BATON_TERM", default_value_t = 0)]
-    pub term: i64,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Output {
-    Text,
-    Json,
-}
 
 #[derive(Debug, Clone, Args)]
 pub struct EtcdArgs {
@@ -244,6 +70,13 @@ pub struct ServeArgs {
     /// Jobs running at once; the rest stay PENDING in submission order.
     #[arg(long, env = "BATON_MAX_RUNNING", default_value_t = 64)]
     pub max_running: usize,
+    /// Job starts per second, at most (a burst of one second's worth); the rest wait PENDING
+    /// in submission order, so thousands of starts cannot starve the lease's keepalives.
+    #[arg(long, env = "BATON_MAX_STARTS_PER_SECOND", default_value_t = 50.0)]
+    pub max_starts_per_second: f64,
+    /// Niceness of jobs and cleanup commands (0 to 19); Baton and the guards keep their own.
+    #[arg(long, env = "BATON_JOB_NICE", default_value_t = 10, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub job_nice: i32,
     /// Restarts after leader changes allowed per job, so a job that kills its host cannot
     /// crash-loop the cluster.
     #[arg(long, env = "BATON_MAX_RECOVERIES", default_value_t = 10)]
@@ -339,6 +172,11 @@ impl ServeArgs {
         if self.max_running == 0 {
             return Err(ConfigError("--max-running must be at least 1".into()));
         }
+        if !(self.max_starts_per_second.is_finite() && self.max_starts_per_second > 0.0) {
+            return Err(ConfigError(
+                "--max-starts-per-second must be a number above 0".into(),
+            ));
+        }
         if self.retry_initial_delay.is_zero() || self.retry_initial_delay > self.retry_max_delay {
             return Err(ConfigError(
                 "--retry-initial-delay must be above 0 and at most --retry-max-delay".into(),
@@ -375,70 +213,5 @@ pub fn validate_name(flag: &str, v: &str) -> Result<(), ConfigError> {
         Err(ConfigError(format!(
             "{flag} {v:?} must be 1 to 128 characters of [A-Za-z0-9._-]"
         )))
-    }
-}
-
-#[derive(Debug, Clone, Args)]
-pub struct DevArgs {
-    /// Number of replicas.
-    #[arg(long, env = "BATON_DEV_REPLICAS", default_value_t = 3)]
-    pub replicas: usize,
-    /// The etcd binary (default: `etcd` from PATH).
-    #[arg(long, env = "BATON_ETCD_BIN", default_value = "etcd")]
-    pub etcd_bin: PathBuf,
-    /// Where etcd data, logs and role logs go (default: a temporary folder removed at exit).
-    #[arg(long, env = "BATON_DEV_DIR")]
-    pub dir: Option<PathBuf>,
-    /// Election lease TTL of the replicas.
-    #[arg(long, env = "BATON_LEASE_TTL", value_parser = humantime::parse_duration, default_value = "5s")]
-    pub lease_ttl: Duration,
-    /// First replica's gRPC port (then +1, +2, ...); 0 picks free ports.
-    #[arg(long, env = "BATON_DEV_BASE_PORT", default_value_t = 7600)]
-    pub base_port: u16,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn serve(args: &[&str]) -> ServeArgs {
-        let mut v = vec!["baton", "serve", "--replica-id", "r1"];
-        v.extend_from_slice(args);
-        match Cli::parse_from(v).command {
-            Command::Serve(s) => *s,
-            _ => unreachable!(),
-        }
-    }
-
-    #[test]
-    fn ttl_below_two_seconds_is_refused_with_a_reason() {
-        let err = serve(&["--lease-ttl", "1s"]).validate().unwrap_err();
-        assert!(err.0.contains("2s minimum"), "{err}");
-    }
-
-    #[test]
-    fn defaults_are_valid_and_margin_follows_ttl() {
-        let s = serve(&[]);
-        s.validate().unwrap();
-        assert_eq!(s.margin(), Duration::from_millis(1250));
-        assert_eq!(
-            serve(&["--lease-ttl", "2s"]).margin(),
-            Duration::from_millis(500)
-        );
-        assert!(serve(&["--step-down-margin", "3s"]).validate().is_err());
-        assert!(serve(&["--lease-ttl", "2500ms"]).validate().is_err());
-    }
-
-    #[test]
-    fn the_command_line_is_consistent() {
-        use clap::CommandFactory;
-        Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn names_are_checked() {
-        assert!(validate_name("--cluster", "prod-1.eu").is_ok());
-        assert!(validate_name("--cluster", "a/b").is_err());
-        assert!(validate_name("--cluster", "").is_err());
     }
 }

@@ -22,27 +22,13 @@ use etcd_client::{Compare, CompareOp, TxnOp, WatchOptions};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
+use super::{storage, CleanupConfig, Ctx, Writer};
+use crate::exec::record::{self, KilledBy};
+use crate::exec::spawner::{self, Launch};
 use crate::jobs::records::{self, JobResult, TerminalStatus};
 use crate::jobs::{self, Snapshot};
-use crate::runner::guard::{self, KilledBy};
-use crate::runner::spawn::{self, Launch};
-use crate::runner::{storage, Ctx, Writer};
 use crate::store::codec;
 use crate::store::Keys;
-
-#[derive(Clone, Debug)]
-pub struct CleanupConfig {
-    pub initial_delay: Duration,
-    pub max_delay: Duration,
-    /// 0: unlimited.
-    pub max_attempts: u32,
-    pub concurrency: usize,
-    pub timeout: Duration,
-    pub retention: Duration,
-    /// Test and drill hook: the term that recorded this stage stops there (a new leader
-    /// resumes). 0 holds every cleanup before it starts.
-    pub pause_after_stage: Option<u32>,
-}
 
 /// What one cleanup run ended with.
 enum Next {
@@ -315,7 +301,7 @@ async fn stage_command(
     env.insert("BATON_TERM".into(), term.revision().to_string());
     let name = format!("cleanup-{attempt}");
     let launch = Launch {
-        guard_bin: cfg.guard_bin.clone(),
+        guard: cfg.guard.clone(),
         job_id: snap.id.clone(),
         attempt,
         term: term.revision(),
@@ -323,16 +309,13 @@ async fn stage_command(
         name: name.clone(),
         command: cmd.clone(),
         env,
-        margin: cfg.margin,
         timeout: cfg.cleanup.timeout,
-        kill_grace: cfg.kill_grace,
-        ledger: cfg.execution_ledger.clone(),
-        unsafe_ignore_deadlines: cfg.unsafe_ignore_deadlines,
     };
     if term.check().is_err() {
         return Err(StageError::TermOver);
     }
-    let mut g = spawn::spawn(launch, term.valid_until())
+    let mut g = spawner::spawn(launch, term.valid_until())
+        .await
         .map_err(|e| StageError::Failed(format!("cannot start the cleanup command: {e}")))?;
     let mut deadlines = term.deadlines();
     loop {
@@ -349,7 +332,7 @@ async fn stage_command(
             }
         }
     }
-    match guard::read_exit(&dir, &name) {
+    match record::read_exit(&dir, &name) {
         Some(r) if r.exit_code == Some(0) && r.killed_by.is_none() => Ok(true),
         Some(r) if matches!(r.killed_by, Some(KilledBy::Deadline | KilledBy::LeaderGone)) => {
             Err(StageError::TermOver)
@@ -359,7 +342,7 @@ async fn stage_command(
             humantime::format_duration(cfg.cleanup.timeout)
         ))),
         Some(r) => {
-            let tail = crate::runner::log_tail(&guard::log_path(&dir, &name));
+            let tail = record::log_tail(&record::log_path(&dir, &name));
             let tail = tail.lines().last().unwrap_or("").to_string();
             Err(StageError::Failed(match r.exit_code {
                 Some(c) => format!("cleanup command exited with code {c}: {tail}"),

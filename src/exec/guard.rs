@@ -1,11 +1,14 @@
 //! The lease guard: `baton __guard`, the direct parent of every job process.
 //!
 //! A paused leader cannot kill anything, yet its lease expires and another replica starts the
-//! same jobs. So each job runs under this small synchronous process, which the leader feeds its
+//! same jobs. So each job runs under this small synchronous process, which its parent feeds the
 //! proven lease deadline through a pipe (stdin) at every keepalive. The guard:
 //! - never starts the job if the first deadline it receives has already passed (minus margin);
 //! - kills the job's whole process group by itself at `deadline - margin` without a renewal;
-//! - kills it at once when the pipe closes or the leader's thread dies (parent-death signal);
+//! - kills it at once when the pipe reaches EOF (only its parent holds the write end, so EOF is
+//!   the parent's death) or the spawning thread dies (parent-death signal, set by the guard
+//!   itself: nothing runs between fork and exec in the parent);
+//! - runs the job at `--nice`, and keeps its own priority, so a busy host starves jobs first;
 //! - enforces the attempt's timeout and a cancel (SIGTERM, then SIGKILL after a grace period);
 //! - after reaping the job, kills what is left of its group and writes the exit record
 //!   `attempt-<n>.exit` (atomically), so a new leader records that result instead of running a
@@ -17,18 +20,17 @@ use std::fs::OpenOptions;
 use std::io::{BufRead, BufReader, Read};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use super::record::{exit_path, log_path, ExitRecord, KilledBy, LedgerEntry, EXIT_RECORD_VERSION};
+use crate::clock::BootInstant;
 use clap::Args;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{killpg, SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::{getppid, Pid};
-use serde::{Deserialize, Serialize};
-
-use crate::clock::BootInstant;
 
 /// Exit code of a guard that did not start its job (the deadline had passed, or no deadline came).
 pub const NOT_STARTED: i32 = 75;
@@ -56,28 +58,19 @@ pub struct GuardArgs {
     /// Append a JSON line per execution start and end to this file (drills audit them).
     #[arg(long)]
     pub ledger: Option<PathBuf>,
+    /// The job's niceness (0 to 19); the guard itself keeps its own.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub nice: i32,
+    /// The spawning process: if the guard finds another parent at start (its parent died
+    /// before the guard armed its parent-death signal), it starts nothing.
+    #[arg(long)]
+    pub parent_pid: Option<i32>,
     /// Negative control for drills: ignore lease deadlines (only a closed pipe kills the job).
     #[arg(long, hide = true)]
     pub unsafe_ignore_deadlines: bool,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
-}
-
-/// One line of the execution ledger.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LedgerEntry {
-    /// `start` or `end`.
-    pub event: String,
-    pub job_id: String,
-    /// `attempt-<n>` or `cleanup-<n>`.
-    pub name: String,
-    pub term: i64,
-    pub pid: i32,
-    pub boottime_ns: u64,
-    pub unix_ms: u64,
-    #[serde(default)]
-    pub exit: Option<ExitRecord>,
 }
 
 fn ledger(args: &GuardArgs, event: &str, pid: i32, exit: Option<&ExitRecord>) {
@@ -90,7 +83,7 @@ fn ledger(args: &GuardArgs, event: &str, pid: i32, exit: Option<&ExitRecord>) {
         term: args.term,
         pid,
         boottime_ns: BootInstant::now().as_nanos(),
-        unix_ms: crate::jobs::records::now_ms(),
+        unix_ms: crate::clock::unix_ms(),
         exit: exit.cloned(),
     };
     let mut line = serde_json::to_vec(&entry).expect("ledger entries serialize");
@@ -99,50 +92,6 @@ fn ledger(args: &GuardArgs, event: &str, pid: i32, exit: Option<&ExitRecord>) {
     if let Ok(mut f) = OpenOptions::new().create(true).append(true).open(path) {
         let _ = f.write_all(&line);
     }
-}
-
-/// Why the guard ended the job, if it did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum KilledBy {
-    /// The lease deadline passed without a renewal.
-    Deadline,
-    /// The leader went away (pipe closed, or parent-death signal).
-    LeaderGone,
-    Timeout,
-    Cancel,
-}
-
-/// `attempt-<n>.exit`: what happened to one execution.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ExitRecord {
-    pub version: u32,
-    pub job_id: String,
-    pub attempt: u32,
-    pub term: i64,
-    pub pid: i32,
-    pub started_boottime_ns: u64,
-    pub ended_boottime_ns: u64,
-    pub exit_code: Option<i32>,
-    pub signal: Option<i32>,
-    pub killed_by: Option<KilledBy>,
-}
-
-pub const EXIT_RECORD_VERSION: u32 = 1;
-
-pub fn exit_path(dir: &Path, name: &str) -> PathBuf {
-    dir.join(format!("{name}.exit"))
-}
-
-pub fn log_path(dir: &Path, name: &str) -> PathBuf {
-    dir.join(format!("{name}.log"))
-}
-
-/// Reads an exit record; `None` if absent or unreadable (a torn write cannot happen: it is
-/// renamed into place).
-pub fn read_exit(dir: &Path, name: &str) -> Option<ExitRecord> {
-    let bytes = std::fs::read(exit_path(dir, name)).ok()?;
-    serde_json::from_slice(&bytes).ok()
 }
 
 /// Runs the guard; returns the process exit code.
@@ -157,6 +106,12 @@ pub fn run(args: GuardArgs) -> i32 {
 }
 
 fn guard(args: GuardArgs) -> std::io::Result<i32> {
+    // Armed here rather than between fork and exec in the parent, which runs no code there.
+    // The signal follows the thread that spawned us: the parent's long-lived spawner thread.
+    nix::sys::prctl::set_pdeathsig(Signal::SIGHUP).map_err(std::io::Error::from)?;
+    if args.parent_pid.is_some_and(|p| getppid().as_raw() != p) {
+        return Ok(NOT_STARTED);
+    }
     // Signals that mean "the leader is gone or wants us to stop" arrive on a descriptor, so the
     // loop below never misses one between checks.
     let mut mask = SigSet::empty();
@@ -194,6 +149,7 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
         .append(true)
         .open(log_path(&args.dir, &args.name))?;
     let guard_pid = std::process::id() as i32;
+    let nice = args.nice;
     let mut cmd = Command::new(&args.command[0]);
     cmd.args(&args.command[1..])
         .stdin(Stdio::null())
@@ -207,6 +163,9 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
             nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
             if getppid().as_raw() != guard_pid {
                 nix::libc::_exit(NOT_STARTED);
+            }
+            if nice != 0 && nix::libc::setpriority(nix::libc::PRIO_PROCESS, 0, nice) != 0 {
+                return Err(std::io::Error::last_os_error());
             }
             // The signals the guard blocks must not stay blocked in the job.
             SigSet::all().thread_unblock().map_err(std::io::Error::from)
@@ -236,7 +195,7 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
     let pid = child.id() as i32;
     ledger(&args, "start", pid, None);
     let group = Pid::from_raw(pid);
-    let pidfd = pidfd_open(pid)?;
+    let pidfd = super::pidfd_open(pid as u32)?;
     let timeout_at = started + args.timeout;
     let mut killed_by: Option<KilledBy> = None;
     let mut kill_at: Option<BootInstant> = None;
@@ -347,14 +306,6 @@ fn write_exit(args: &GuardArgs, rec: &ExitRecord) -> std::io::Result<()> {
     )?;
     std::fs::File::open(&tmp)?.sync_all()?;
     std::fs::rename(&tmp, &path)
-}
-
-fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
-    let fd = unsafe { nix::libc::syscall(nix::libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 /// The leader's messages on stdin, read without blocking.

@@ -1,0 +1,254 @@
+//! Command-line configuration. Every flag can also come from a `BATON_*` environment variable.
+//!
+//! Nothing here imports the commands it configures: `serve` and `drill` settings live in
+//! submodules of their own, and the commands import them.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+mod drill;
+mod serve;
+
+pub use drill::{DrillArgs, ALL_FAULTS};
+pub use serve::{validate_name, ConfigError, EtcdArgs, ServeArgs};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "baton",
+    version,
+    about = "High-availability job coordinator on etcd"
+)]
+pub struct Cli {
+    /// Log output format.
+    #[arg(long, global = true, env = "BATON_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Log filter (tracing-subscriber's EnvFilter syntax).
+    #[arg(long, global = true, env = "BATON_LOG", default_value = "info")]
+    pub log: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run one replica.
+    Serve(Box<ServeArgs>),
+    /// Run a private etcd and N replicas on loopback, for trying Baton out.
+    Dev(DevArgs),
+    /// Inspect or move leadership.
+    Leader {
+        #[command(subcommand)]
+        command: LeaderCommand,
+    },
+    /// Submit, inspect and cancel jobs.
+    Job {
+        #[command(subcommand)]
+        command: JobCommand,
+    },
+    /// Run a failover drill: workload, faults, then every invariant checked.
+    Drill(Box<DrillArgs>),
+    /// The lease guard that runs each job (started by the leader, not by hand).
+    #[command(name = "__guard", hide = true)]
+    Guard(crate::exec::guard::GuardArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum JobCommand {
+    /// Submit a job: `baton job submit [--id ID] -- CMD ARGS...`.
+    Submit(SubmitArgs),
+    /// Show one job.
+    Get(JobIdArgs),
+    /// List jobs.
+    List(ListArgs),
+    /// Request cancellation of a pending or running job.
+    Cancel(JobIdArgs),
+    /// Wait until the job's result is recorded; exit with the job's exit code.
+    Wait(JobIdArgs),
+    /// Print the output of an attempt (default: the latest).
+    Logs(LogsArgs),
+    /// Steer a job's cleanup: `baton job cleanup ID --now` retries it at once.
+    Cleanup(CleanupArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CleanupArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub id: String,
+    /// Retry a pending or exhausted cleanup now.
+    #[arg(long, required = true)]
+    pub now: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// The job id (default: a new unique one, chosen before the first try so retries are safe).
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Environment for the job, `K=V`; repeatable.
+    #[arg(long = "env", value_name = "K=V")]
+    pub env: Vec<String>,
+    /// Cleanup command, run once the job is terminal (split on whitespace; use a script for more).
+    #[arg(long)]
+    pub cleanup: Option<String>,
+    /// Failed attempts allowed (0: the default, 3).
+    #[arg(long, default_value_t = 0)]
+    pub max_attempts: u32,
+    /// Per-attempt timeout (default 24h).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub attempt_timeout: Option<Duration>,
+    /// Wait for the result after submitting, like `baton job wait`.
+    #[arg(long)]
+    pub wait: bool,
+    /// The command and its arguments.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct JobIdArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub id: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// pending, running, finished, failed or canceled.
+    #[arg(long)]
+    pub state: Option<String>,
+    /// pending, needs-operator or done.
+    #[arg(long)]
+    pub cleanup: Option<String>,
+    /// At most this many jobs (all pages are read up to it).
+    #[arg(long, default_value_t = 1000)]
+    pub limit: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub id: String,
+    /// Attempt number (default: the latest).
+    #[arg(long, default_value_t = 0)]
+    pub attempt: u32,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum LeaderCommand {
+    /// Show the current leader.
+    Get(ClientArgs),
+    /// Ask the current leader to step down and campaign again behind the others.
+    Resign(ResignArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ClientArgs {
+    /// Replica addresses, tried in turn.
+    #[arg(
+        long,
+        env = "BATON_ENDPOINTS",
+        value_delimiter = ',',
+        default_value = "127.0.0.1:7600"
+    )]
+    pub endpoints: Vec<String>,
+    /// Per-call timeout.
+    #[arg(long, env = "BATON_TIMEOUT", value_parser = humantime::parse_duration, default_value = "5s")]
+    pub timeout: Duration,
+    /// Output format.
+    #[arg(short = 'o', long, env = "BATON_OUTPUT", value_enum, default_value_t = Output::Text)]
+    pub output: Output,
+}
+
+#[derive(Debug, Args)]
+pub struct ResignArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// Resign only if this term is still current (default: whatever term is current).
+    #[arg(long, env = "BATON_TERM", default_value_t = 0)]
+    pub term: i64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DevArgs {
+    /// Number of replicas.
+    #[arg(long, env = "BATON_DEV_REPLICAS", default_value_t = 3)]
+    pub replicas: usize,
+    /// The etcd binary (default: `etcd` from PATH).
+    #[arg(long, env = "BATON_ETCD_BIN", default_value = "etcd")]
+    pub etcd_bin: PathBuf,
+    /// Where etcd data, logs and role logs go (default: a temporary folder removed at exit).
+    #[arg(long, env = "BATON_DEV_DIR")]
+    pub dir: Option<PathBuf>,
+    /// Election lease TTL of the replicas.
+    #[arg(long, env = "BATON_LEASE_TTL", value_parser = humantime::parse_duration, default_value = "5s")]
+    pub lease_ttl: Duration,
+    /// First replica's gRPC port (then +1, +2, ...); 0 picks free ports.
+    #[arg(long, env = "BATON_DEV_BASE_PORT", default_value_t = 7600)]
+    pub base_port: u16,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn serve(args: &[&str]) -> ServeArgs {
+        let mut v = vec!["baton", "serve", "--replica-id", "r1"];
+        v.extend_from_slice(args);
+        match Cli::parse_from(v).command {
+            Command::Serve(s) => *s,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn ttl_below_two_seconds_is_refused_with_a_reason() {
+        let err = serve(&["--lease-ttl", "1s"]).validate().unwrap_err();
+        assert!(err.0.contains("2s minimum"), "{err}");
+    }
+
+    #[test]
+    fn defaults_are_valid_and_margin_follows_ttl() {
+        let s = serve(&[]);
+        s.validate().unwrap();
+        assert_eq!(s.margin(), Duration::from_millis(1250));
+        assert_eq!(
+            serve(&["--lease-ttl", "2s"]).margin(),
+            Duration::from_millis(500)
+        );
+        assert!(serve(&["--step-down-margin", "3s"]).validate().is_err());
+        assert!(serve(&["--lease-ttl", "2500ms"]).validate().is_err());
+    }
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(validate_name("--cluster", "prod-1.eu").is_ok());
+        assert!(validate_name("--cluster", "a/b").is_err());
+        assert!(validate_name("--cluster", "").is_err());
+    }
+}

@@ -1,0 +1,43 @@
+//! What the leader's tasks share: settings and the etcd handles.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::exec::spawner::GuardSettings;
+use crate::store::{Keys, Store};
+
+#[derive(Clone, Debug)]
+pub struct CoordinatorConfig {
+    pub replica_id: String,
+    pub storage_dir: PathBuf,
+    /// How jobs and cleanup commands run (binary, margin, kill grace, nice, ledger).
+    pub guard: GuardSettings,
+    pub max_running: usize,
+    pub max_recoveries: u32,
+    pub retry_initial: Duration,
+    pub retry_max: Duration,
+    /// Starts of jobs per second, at most (a burst of one second's worth).
+    pub max_starts_per_second: f64,
+    pub cleanup: CleanupConfig,
+}
+
+/// What every task of the leader shares.
+pub struct Ctx {
+    pub(crate) store: Store,
+    pub(crate) keys: Keys,
+    pub(crate) config: CoordinatorConfig,
+}
+
+#[derive(Clone, Debug)]
+pub struct CleanupConfig {
+    pub initial_delay: Duration,
+    pub max_delay: Duration,
+    /// 0: unlimited.
+    pub max_attempts: u32,
+    pub concurrency: usize,
+    pub timeout: Duration,
+    pub retention: Duration,
+    /// Test and drill hook: the term that recorded this stage stops there (a new leader
+    /// resumes). 0 holds every cleanup before it starts.
+    pub pause_after_stage: Option<u32>,
+}

@@ -1,0 +1,61 @@
+//! The coordinator: what the leader does while its term lasts.
+//!
+//! [`run`] follows the role channel and, for every term this replica wins, starts the job actor
+//! ([`actor`]) and the cleaner ([`cleanup`]), both tracked by the term so that a handover waits
+//! for them. When the term ends, every guard is abandoned at once (its job's process group is
+//! killed) and nothing more is written. The pieces:
+//! - [`actor`]: the one decision maker of a term (slots, start budget, timers, exits);
+//! - [`transition`]: one job's step, read from etcd and written fenced;
+//! - [`recovery`]: the pinned, paged read a new term starts from;
+//! - [`cleanup`]: dirty results made clean, stage by stage;
+//! - [`writer`]: the one fenced writer of a term; [`storage`]: the per-job folders.
+//!
+//! Processes are started through [`crate::exec`], which knows nothing of leadership.
+
+mod actor;
+pub mod cleanup;
+mod ctx;
+mod recovery;
+mod starts;
+pub mod storage;
+mod transition;
+mod writer;
+
+pub use ctx::{CleanupConfig, CoordinatorConfig, Ctx};
+pub use writer::Writer;
+
+use std::sync::Arc;
+
+use tokio::sync::watch;
+use tracing::Instrument;
+
+use crate::election::Role;
+use crate::store::{Keys, Store};
+
+/// Follows the role channel and leads every term this replica wins.
+pub async fn run(
+    store: Store,
+    keys: Keys,
+    config: CoordinatorConfig,
+    mut role: watch::Receiver<Role>,
+) {
+    let ctx = Arc::new(Ctx {
+        store,
+        keys,
+        config,
+    });
+    loop {
+        let term = role.borrow_and_update().term().cloned();
+        if let Some(term) = term.filter(|t| !t.has_ended()) {
+            let span = tracing::info_span!("term", term = term.revision(), replica = %ctx.config.replica_id);
+            let ctx = ctx.clone();
+            let t = term.clone();
+            // Tracked by the term, so the handover waits for the guards to be gone.
+            term.tracker()
+                .spawn(async move { actor::lead(ctx, t).await }.instrument(span));
+        }
+        if role.changed().await.is_err() {
+            return;
+        }
+    }
+}

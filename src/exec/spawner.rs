@@ -1,0 +1,269 @@
+//! Starting guards from a big multi-threaded process without starving it.
+//!
+//! Guarantees:
+//! - **One long-lived spawner thread** starts every guard. A guard arms its parent-death signal
+//!   itself, and that signal follows the thread that spawned it; this thread lives as long as
+//!   the process, so the signal fires exactly when the process dies (never when some pool
+//!   thread retires).
+//! - **No code of ours between fork and exec.** The guard command has no `pre_exec` closure,
+//!   an absolute program path and no uid/gid change, so the standard library starts it with
+//!   `posix_spawn` (glibc's `clone(CLONE_VM | CLONE_VFORK)`): no copy of the page tables of a
+//!   large process, no allocator or lock touched in a half-copied child.
+//! - **No OS thread per guard.** Each guard is reaped through a pidfd awaited on the runtime.
+//! - **The parent's death is seen.** The guard's stdin is a pipe whose write end only this
+//!   process holds (close-on-exec, so no other child inherits it): EOF means the parent is gone.
+//! - A guard whose requester went away before it was handed over (an aborted task) gets its
+//!   pipe closed at once (it then starts nothing, or kills what it started) and is reaped here.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::sync::oneshot;
+
+use super::pidfd_open;
+use crate::clock::BootInstant;
+
+/// Environment variables a job inherits from its parent; everything else is dropped so that
+/// `BATON_*` settings and secrets of the replica do not leak into jobs.
+const INHERITED: &[&str] = &[
+    "PATH", "HOME", "LANG", "LC_ALL", "TZ", "USER", "LOGNAME", "TMPDIR",
+];
+
+/// How guards are run: the same for every execution of one process.
+#[derive(Clone, Debug)]
+pub struct GuardSettings {
+    /// The `baton` binary (absolute), run as `baton __guard`.
+    pub guard_bin: PathBuf,
+    /// The guard kills its job at `deadline - margin`.
+    pub margin: Duration,
+    /// After a cancel's SIGTERM, the time before SIGKILL.
+    pub kill_grace: Duration,
+    /// The job's niceness; the guard keeps the parent's.
+    pub nice: i32,
+    /// Every guard appends its executions here (drills audit them).
+    pub ledger: Option<PathBuf>,
+    /// Negative control for drills: guards ignore lease deadlines.
+    pub unsafe_ignore_deadlines: bool,
+}
+
+/// One execution to start under a guard.
+#[derive(Clone, Debug)]
+pub struct Launch {
+    pub guard: GuardSettings,
+    pub job_id: String,
+    pub attempt: u32,
+    pub term: i64,
+    pub dir: PathBuf,
+    /// `attempt-<n>` or `cleanup-<n>`.
+    pub name: String,
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub timeout: Duration,
+}
+
+/// A running guard.
+pub struct Guard {
+    pub pid: i32,
+    pub feed: GuardFeed,
+    /// Resolves when the guard has exited and been reaped.
+    pub exited: oneshot::Receiver<ExitStatus>,
+}
+
+/// The parent's side of a guard's pipe. Cloneable; closing it (or SIGHUP) makes the guard kill
+/// its job at once.
+#[derive(Clone)]
+pub struct GuardFeed {
+    stdin: Arc<Mutex<Option<std::process::ChildStdin>>>,
+    pid: i32,
+}
+
+impl GuardFeed {
+    /// Sends a line; a full pipe drops it (the next deadline supersedes it).
+    fn send(&self, line: &str) {
+        let mut feed = self.stdin.lock().expect("guard feed lock");
+        if let Some(stdin) = feed.as_mut() {
+            if let Err(e) = stdin.write_all(line.as_bytes()) {
+                if e.kind() != std::io::ErrorKind::WouldBlock {
+                    *feed = None;
+                }
+            }
+        }
+    }
+
+    pub fn deadline(&self, valid_until: BootInstant) {
+        self.send(&format!("D {}\n", valid_until.as_nanos()));
+    }
+
+    /// Cancel: SIGTERM to the job's group, SIGKILL after the grace period.
+    pub fn terminate(&self) {
+        self.send("TERM\n");
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// The execution may not go on: the guard kills the job's group at once.
+    pub fn abandon(&self) {
+        self.stdin.lock().expect("guard feed lock").take();
+        let _ = kill(Pid::from_raw(self.pid), Signal::SIGHUP);
+    }
+}
+
+/// Exit status reported when a guard could not be waited for.
+const UNKNOWN_EXIT: i32 = 70 << 8;
+
+struct Request {
+    cmd: Command,
+    reply: oneshot::Sender<std::io::Result<(Child, OwnedFd)>>,
+}
+
+/// The spawner thread's queue, started on first use and never stopped.
+fn spawner() -> &'static mpsc::Sender<Request> {
+    static SPAWNER: OnceLock<mpsc::Sender<Request>> = OnceLock::new();
+    SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<Request>();
+        std::thread::Builder::new()
+            .name("baton-spawner".into())
+            .stack_size(256 * 1024)
+            .spawn(move || spawn_loop(rx))
+            .expect("starting the spawner thread");
+        tx
+    })
+}
+
+fn spawn_loop(rx: mpsc::Receiver<Request>) {
+    // Guards nobody took over: their pipes are closed, they exit on their own; reap them.
+    let mut orphans: Vec<Child> = Vec::new();
+    loop {
+        let wait = if orphans.is_empty() {
+            Duration::from_secs(3600)
+        } else {
+            Duration::from_millis(100)
+        };
+        match rx.recv_timeout(wait) {
+            Ok(mut req) => {
+                let started = req
+                    .cmd
+                    .spawn()
+                    .and_then(|mut child| match pidfd_open(child.id()) {
+                        Ok(fd) => Ok((child, fd)),
+                        Err(e) => {
+                            let _ = child.kill();
+                            orphans.push(child);
+                            Err(e)
+                        }
+                    });
+                if let Err(Ok((mut child, _))) = req.reply.send(started) {
+                    drop(child.stdin.take());
+                    orphans.push(child);
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        orphans.retain_mut(|c| matches!(c.try_wait(), Ok(None)));
+    }
+}
+
+/// Starts a guard for `launch`, fed `first_deadline` before anything else. Must be called on a
+/// tokio runtime, which reaps the guard.
+pub async fn spawn(launch: Launch, first_deadline: BootInstant) -> std::io::Result<Guard> {
+    let (reply, answer) = oneshot::channel();
+    spawner()
+        .send(Request {
+            cmd: guard_command(&launch),
+            reply,
+        })
+        .map_err(|_| std::io::Error::other("the spawner thread is gone"))?;
+    let (mut child, pidfd) = answer
+        .await
+        .map_err(|_| std::io::Error::other("the spawner thread is gone"))??;
+    let stdin = child.stdin.take().expect("guard stdin is piped");
+    nix::fcntl::fcntl(
+        stdin.as_fd(),
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+    )?;
+    let pid = child.id() as i32;
+    let feed = GuardFeed {
+        stdin: Arc::new(Mutex::new(Some(stdin))),
+        pid,
+    };
+    feed.deadline(first_deadline);
+    let (exit_tx, exited) = oneshot::channel();
+    // SAFETY: the OwnedFd is moved into the AsyncFd and stays open, unchanged, until it drops.
+    let pidfd = unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
+        .map_err(std::io::Error::from);
+    tokio::spawn(async move {
+        let _ = exit_tx.send(reap(child, pidfd).await);
+    });
+    Ok(Guard { pid, feed, exited })
+}
+
+/// Waits for `child` to exit without a thread of its own: the pidfd becomes readable on exit.
+async fn reap(mut child: Child, pidfd: std::io::Result<AsyncFd<OwnedFd>>) -> ExitStatus {
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return status,
+            Ok(None) => {}
+            Err(_) => return ExitStatus::from_raw(UNKNOWN_EXIT),
+        }
+        match &pidfd {
+            Ok(fd) => match fd.readable().await {
+                Ok(mut ready) => ready.clear_ready(),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            },
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+fn guard_command(l: &Launch) -> Command {
+    let g = &l.guard;
+    let mut cmd = Command::new(&g.guard_bin);
+    cmd.arg("__guard")
+        .args(["--job-id", &l.job_id])
+        .args(["--attempt", &l.attempt.to_string()])
+        .args(["--term", &l.term.to_string()])
+        .arg("--dir")
+        .arg(&l.dir)
+        .args(["--name", &l.name])
+        .args(["--margin", &format!("{}ms", g.margin.as_millis())])
+        .args(["--timeout", &format!("{}ms", l.timeout.as_millis())])
+        .args(["--kill-grace", &format!("{}ms", g.kill_grace.as_millis())])
+        .args(["--nice", &g.nice.to_string()])
+        .args(["--parent-pid", &std::process::id().to_string()]);
+    if let Some(ledger) = &g.ledger {
+        cmd.arg("--ledger").arg(ledger);
+    }
+    if g.unsafe_ignore_deadlines {
+        cmd.arg("--unsafe-ignore-deadlines");
+    }
+    cmd.arg("--")
+        .args(&l.command)
+        .env_clear()
+        // Its own group: a stop or interrupt aimed at the replica's group must not freeze
+        // the guards while their jobs run on.
+        .process_group(0)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    for k in INHERITED {
+        if let Some(v) = std::env::var_os(k) {
+            cmd.env(k, v);
+        }
+    }
+    cmd.envs(&l.env);
+    cmd
+}
