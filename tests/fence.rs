@@ -178,3 +178,28 @@ async fn keepalives_continue_while_every_runtime_worker_is_blocked() {
         before
     );
 }
+
+/// Recovery chains page reads at one revision and watches from the next: a page pinned to R
+/// must say R, even though etcd's answer header carries the store's current revision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_page_read_reports_the_revision_it_was_pinned_to() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = start_etcd(dir.path(), 1);
+    let store = store(&etcd).await;
+    let mut client = store.client();
+    client.put("/p/a", "1", None).await.unwrap();
+    let (first, r) = baton::jobs::page_ids(&store, "/p/", "", 10, 0)
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 1);
+    client.put("/p/b", "2", None).await.unwrap();
+    let (pinned, r2) = baton::jobs::page_ids(&store, "/p/", "", 10, r)
+        .await
+        .unwrap();
+    assert_eq!(r2, r, "a pinned read must report its pinned revision");
+    assert_eq!(pinned.len(), 1, "a pinned read sees nothing newer");
+    let (now, r3) = baton::jobs::page_ids(&store, "/p/", "", 10, 0)
+        .await
+        .unwrap();
+    assert!(r3 > r && now.len() == 2);
+}

@@ -160,3 +160,39 @@ fn the_attempt_timeout_is_enforced_and_a_normal_exit_is_recorded() {
         "hi\n"
     );
 }
+
+/// The parent-death signal follows the thread that spawned the guard (which is why Baton spawns
+/// from one thread that lives as long as the process): when that thread ends, the guard kills
+/// its job at once, even though its pipe is still open and its deadline far away.
+#[tokio::test]
+async fn a_guard_whose_spawning_thread_dies_kills_its_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let pids_file = dir.path().join("pids");
+    let (path, pids) = (dir.path().to_path_buf(), pids_file.clone());
+    let mut g = std::thread::spawn(move || {
+        let mut g = guard(&path, "60s", FAMILY);
+        feed(&mut g, BootInstant::now() + Duration::from_secs(60));
+        // The guard arms its parent-death signal before it starts the job.
+        let until = Instant::now() + Duration::from_secs(10);
+        while read_pids(&pids).len() < 2 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        g
+    })
+    .join()
+    .unwrap();
+    assert_eq!(read_pids(&pids_file).len(), 2, "the job did not start");
+    assert_eq!(wait_exit(&mut g), 0);
+    assert_eq!(
+        read_exit(dir.path(), "attempt-1").unwrap().killed_by,
+        Some(KilledBy::LeaderGone)
+    );
+    for p in read_pids(&pids_file) {
+        wait_until(
+            "every process of the job to die",
+            Duration::from_secs(5),
+            || !alive(p),
+        )
+        .await;
+    }
+}

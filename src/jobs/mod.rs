@@ -313,7 +313,8 @@ pub async fn request_cleanup(store: &Store, keys: &Keys, id: &str) -> Result<Sna
     }
 }
 
-/// One page of job ids under `prefix`, after `after` (exclusive), at most `limit`.
+/// One page of job ids under `prefix`, after `after` (exclusive), at most `limit`, read at
+/// `revision` (0: now). Returns the page and the revision it was read at, to pin the next page.
 pub async fn page_ids(
     store: &Store,
     prefix: &str,
@@ -336,7 +337,14 @@ pub async fn page_ids(
     }
     let mut c = store.client();
     let resp = store.timed("list", c.get(start, Some(opts))).await?;
-    let rev = resp.header().map(|h| h.revision()).unwrap_or(revision);
+    // A pinned read answers with the store's current revision in its header, not the pinned
+    // one: a caller that chained that into its next page (or its watch) would skip every change
+    // in between.
+    let rev = if revision > 0 {
+        revision
+    } else {
+        resp.header().map_or(0, |h| h.revision())
+    };
     Ok((resp.kvs().to_vec(), rev))
 }
 
