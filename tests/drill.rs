@@ -167,3 +167,135 @@ async fn an_existing_cluster_is_drilled_through_fault_commands() {
     );
     assert!(stdout.contains(" kill "), "{stdout}");
 }
+
+/// Every process whose command line or working folder names `dir`.
+fn processes_under(dir: &std::path::Path) -> Vec<String> {
+    let d = dir.display().to_string();
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if !support::alive(pid) {
+            continue;
+        }
+        let cmd = std::fs::read(e.path().join("cmdline"))
+            .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+            .unwrap_or_default();
+        let cwd = std::fs::read_link(e.path().join("cwd"))
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        if cmd.contains(&d) || cwd.starts_with(&d) {
+            found.push(format!("{pid}: {cmd}"));
+        }
+    }
+    found
+}
+
+#[test]
+fn a_soak_ends_with_its_duration_not_its_job_cap_and_gives_a_verdict() {
+    let started = std::time::Instant::now();
+    let (code, out, err) = drill(&[
+        "--faults",
+        "kill,term",
+        "--shuffle",
+        "--duration",
+        "20s",
+        "--jobs",
+        "100000",
+        "--rate",
+        "5",
+        "--seed",
+        "13",
+        "--json",
+    ]);
+    let took = started.elapsed();
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    // The duration, then at most the drain bound (180 s), plus setup and teardown; never the
+    // 5.5 hours 100,000 submissions at 5/s would take.
+    assert!(
+        took < std::time::Duration::from_secs(20 + 180 + 60),
+        "the soak took {took:?}"
+    );
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let submitted = report["submitted"].as_u64().unwrap();
+    assert!(
+        submitted > 0 && submitted < 1000,
+        "--jobs is a cap: {submitted} submitted"
+    );
+    assert!(report["faults"].as_u64().unwrap() >= 1, "{out}");
+    assert_eq!(report["interrupted"], false);
+    let invariants = report["invariants"].as_array().unwrap();
+    assert!(invariants.iter().all(|v| v["passed"] == true), "{out}");
+    assert!(err.contains("drill: progress:"), "no progress line: {err}");
+}
+
+#[test]
+fn an_interrupted_drill_prints_its_report_and_leaves_no_process() {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("drill");
+    let mut child = Command::new(BIN)
+        .arg("drill")
+        .arg("--dir")
+        .arg(&folder)
+        .args(["--faults", "kill", "--rounds", "1000", "--jobs", "100000"])
+        .args(["--rate", "5", "--seed", "17"])
+        // Its own group, signalled as a whole, as a terminal's Ctrl-C would.
+        .process_group(0)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pgid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let mut err = String::new();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    // Interrupt once the first fault's round line is out.
+    loop {
+        let line = rx
+            .recv_timeout(until.saturating_duration_since(std::time::Instant::now()))
+            .unwrap_or_else(|_| panic!("no round line within 120s:\n{err}"));
+        err.push_str(&line);
+        err.push('\n');
+        if line.trim_start().starts_with("1  kill") {
+            break;
+        }
+    }
+    nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let out = child.wait_with_output().unwrap();
+    err.extend(rx.try_iter().map(|l| l + "\n"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(130), "{stdout}\n{err}");
+    assert!(stdout.contains("INTERRUPTED"), "{stdout}");
+    assert!(
+        stdout.contains("[PASS] 1.") && stdout.contains("all invariants hold (interrupted)"),
+        "{stdout}"
+    );
+    assert!(
+        folder.join("executions.jsonl").exists(),
+        "the folder is kept"
+    );
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let left = processes_under(&folder);
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "processes left behind: {left:#?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

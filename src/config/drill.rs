@@ -23,7 +23,8 @@ pub struct DrillArgs {
     pub faults: Vec<String>,
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
-    /// Jobs to submit in all.
+    /// Jobs to submit, at most: all of them in a drill of rounds; a cap in soak mode, whose
+    /// workload ends with its faults.
     #[arg(long, default_value_t = 60)]
     pub jobs: usize,
     /// Submissions per second.
@@ -35,7 +36,8 @@ pub struct DrillArgs {
     /// Shuffle the faults of each round (soak mode).
     #[arg(long)]
     pub shuffle: bool,
-    /// Keep going for this long, round after round (soak mode); overrides --rounds.
+    /// Soak mode: inject faults round after round for this long (counted from the start), then
+    /// stop submitting, drain, check and report; overrides --rounds.
     #[arg(long, value_parser = humantime::parse_duration)]
     pub duration: Option<Duration>,
     /// Where the cluster, ledgers and logs go (default: a temporary folder, kept on failure).

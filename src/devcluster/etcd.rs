@@ -3,6 +3,7 @@
 //! Auto-compaction is always on: Debian's etcd 3.4 keeps every revision by default and would
 //! eventually fill its quota and refuse all writes.
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -109,6 +110,9 @@ impl EtcdCluster {
             .args(["--auto-compaction-mode", "periodic"])
             .args(["--auto-compaction-retention", "1h"])
             .args(["--logger", "zap", "--log-level", "warn"])
+            // Its own group: a Ctrl-C at the terminal is for the drill or `baton dev`, which
+            // stop etcd last, after the replicas.
+            .process_group(0)
             .stdin(Stdio::null())
             .stdout(log.try_clone().map_err(|e| Error::Io(m.log.clone(), e))?)
             .stderr(log)

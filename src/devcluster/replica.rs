@@ -51,6 +51,9 @@ impl ReplicaProcess {
             .arg("--role-log")
             .arg(role_log_path(&spec.dir, &spec.id))
             .args(&spec.extra_args)
+            // Its own group: a Ctrl-C at the terminal is for the drill or `baton dev`, which
+            // then stop the replicas in order (a replica that got it too would hand over early).
+            .process_group(0)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);

@@ -6,6 +6,7 @@
 //! that ignore lease deadlines, which a pause fault turns into overlapping executions.
 
 mod check;
+mod control;
 mod remote;
 mod report;
 mod workload;
@@ -23,7 +24,11 @@ use crate::devcluster::{free_port, EtcdCluster, FaultProxy, Mode, ReplicaProcess
 use crate::proto::cluster_service_client::ClusterServiceClient;
 use crate::proto::{GetLeaderRequest, LeaderInfo};
 pub use check::{Invariant, Verdict};
+use control::Control;
 pub use report::{Report, Round};
+
+/// How long a local drill waits for the cluster to finish its work after the faults.
+pub const DRAIN_BOUND: Duration = Duration::from_secs(180);
 
 /// A cheap deterministic generator (xorshift64*), so a seed reproduces a drill.
 #[derive(Clone, Debug)]
@@ -245,24 +250,22 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
         }
     };
     eprintln!("drill: seed {seed}, folder {}", dir.display());
+    // From here on a signal ends the drill in order, and --duration counts.
+    let control = Control::start(args.duration, args.rounds)?;
     let mut lab = start_lab(&args, &dir)?;
     let mut rng = Rng::new(seed);
-    let started = Instant::now();
     wait_leader(&lab, Duration::from_secs(30))
         .await
         .context("no leader at the start")?;
     let members = args.etcd_members.max(1);
 
     let workload = workload::start(lab.client(), &args, seed);
+    let progress = control.progress(lab.target(), &workload);
     let mut rounds = Vec::new();
     let mut round = 0;
-    loop {
+    'faults: loop {
         round += 1;
-        let done = match args.duration {
-            Some(d) => started.elapsed() >= d,
-            None => round > args.rounds,
-        };
-        if done {
+        if !control.may_inject(round) {
             break;
         }
         if args.shuffle {
@@ -272,38 +275,64 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
             }
         }
         for fault in faults.clone() {
+            if !control.may_inject(round) {
+                break 'faults;
+            }
             let r = inject(&mut lab, &fault, round, members, &mut rng).await?;
-            eprintln!("{}", report::round_line(&r));
+            control.say(&report::round_line(&r));
+            control.fault_done();
             rounds.push(r);
         }
     }
-    let submitted = workload.finish().await;
+    // A soak (or an interrupted drill) ends its workload with its faults; a drill of rounds
+    // makes every planned submission.
+    let submitted = if args.duration.is_some() || control.interrupted() {
+        workload.stop().await
+    } else {
+        workload.finish().await
+    };
     let target = lab.target();
-    let drained = check::drain(&target, Duration::from_secs(180)).await;
+    let drained = control.drain(&target, DRAIN_BOUND).await;
+    drop(progress);
     let verdicts = check::verify(&target, &submitted, &rounds, drained).await?;
-    let report = Report::new(
+    let mut report = Report::new(
         seed,
         rounds,
         &submitted,
         verdicts,
         dir.display().to_string(),
     );
+    report.interrupted = control.interrupted();
     let ok = report.print(args.json);
     for r in lab.replicas.iter_mut() {
         r.stop(Duration::from_secs(10));
     }
     lab.etcd.stop();
-    if !ok {
+    if !ok || report.interrupted {
         if let Some(t) = tmp {
             let kept = t.keep();
             eprintln!(
-                "drill: invariants violated; everything kept in {}",
+                "drill: {}; everything kept in {}",
+                if ok {
+                    "interrupted"
+                } else {
+                    "invariants violated"
+                },
                 kept.display()
             );
         }
-        return Ok(1);
     }
-    Ok(0)
+    Ok(exit_code(ok, report.interrupted))
+}
+
+/// 1 when an invariant failed; 130 (as for SIGINT) when interrupted with every invariant
+/// holding; 0 otherwise.
+pub fn exit_code(passed: bool, interrupted: bool) -> i32 {
+    match (passed, interrupted) {
+        (false, _) => 1,
+        (true, true) => 130,
+        (true, false) => 0,
+    }
 }
 
 async fn wait_leader(lab: &Lab, within: Duration) -> anyhow::Result<LeaderInfo> {

@@ -9,6 +9,7 @@ use anyhow::{bail, Context};
 use etcd_client::GetOptions;
 
 use super::check::{self, Target};
+use super::control::Control;
 use super::{workload, DrillArgs, Report, Rng, Round};
 use crate::config::{ClientArgs, Output};
 use crate::proto::cluster_service_client::ClusterServiceClient;
@@ -95,10 +96,17 @@ pub async fn run(args: DrillArgs, seed: u64) -> anyhow::Result<i32> {
         "no replica campaigns in cluster {:?}",
         args.cluster
     );
+    let control = Control::start(args.duration, args.rounds)?;
     let workload = workload::start(client.clone(), &args, seed);
+    let progress = control.progress(target.clone(), &workload);
     let mut rounds = Vec::new();
-    for round in 1..=args.rounds {
+    let mut round = 0;
+    'faults: loop {
+        round += 1;
         for fault in &faults {
+            if !control.may_inject(round) {
+                break 'faults;
+            }
             check::wait_running(&target, Duration::from_secs(10)).await;
             let (before, _) = leader(&client)
                 .await
@@ -161,14 +169,21 @@ pub async fn run(args: DrillArgs, seed: u64) -> anyhow::Result<i32> {
                 restarted: 0,
                 cleanups_resumed: if fault == "follower-kill" { 0 } else { dirty },
             };
-            eprintln!("{}", super::report::round_line(&r));
+            control.say(&super::report::round_line(&r));
+            control.fault_done();
             rounds.push(r);
         }
     }
-    let submitted = workload.finish().await;
-    let drained = check::drain(&target, Duration::from_secs(300)).await;
+    let submitted = if args.duration.is_some() || control.interrupted() {
+        workload.stop().await
+    } else {
+        workload.finish().await
+    };
+    let drained = control.drain(&target, Duration::from_secs(300)).await;
+    drop(progress);
     let invariants = check::verify(&target, &submitted, &rounds, drained).await?;
-    let report = Report::new(seed, rounds, &submitted, invariants, String::new());
+    let mut report = Report::new(seed, rounds, &submitted, invariants, String::new());
+    report.interrupted = control.interrupted();
     let ok = report.print(args.json);
-    Ok(if ok { 0 } else { 1 })
+    Ok(super::exit_code(ok, report.interrupted))
 }

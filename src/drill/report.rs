@@ -35,6 +35,8 @@ pub struct Report {
     pub submit_failures: usize,
     pub invariants: Vec<Verdict>,
     pub dir: String,
+    /// Stopped by SIGINT/SIGTERM: the report covers what ran until then.
+    pub interrupted: bool,
 }
 
 fn ms(v: Option<u64>) -> String {
@@ -80,6 +82,7 @@ impl Report {
             submit_failures: submitted.failures.len(),
             invariants,
             dir,
+            interrupted: false,
         }
     }
 
@@ -104,8 +107,15 @@ impl Report {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "Baton failover drill (seed {}, {} faults, {} jobs submitted)\n",
-            self.seed, self.faults, self.submitted
+            "Baton failover drill (seed {}, {} faults, {} jobs submitted){}\n",
+            self.seed,
+            self.faults,
+            self.submitted,
+            if self.interrupted {
+                ", INTERRUPTED: the checks cover what ran until the signal"
+            } else {
+                ""
+            }
         );
         let _ = writeln!(
             s,
@@ -158,10 +168,10 @@ impl Report {
         let _ = writeln!(
             s,
             "\n{}",
-            if self.passed() {
-                "all invariants hold"
-            } else {
-                "INVARIANTS VIOLATED"
+            match (self.passed(), self.interrupted) {
+                (true, false) => "all invariants hold",
+                (true, true) => "all invariants hold (interrupted)",
+                (false, _) => "INVARIANTS VIOLATED",
             }
         );
         s

@@ -41,6 +41,21 @@ impl Workload {
         let _ = self.done.await;
         self.out.lock().expect("workload lock").clone()
     }
+
+    /// Stops submitting now, waits for the submissions in flight, and returns them all.
+    pub async fn stop(self) -> Submitted {
+        self.stop.cancel();
+        self.finish().await
+    }
+
+    /// Reads (acknowledged, failed) so far.
+    pub fn counts(&self) -> impl Fn() -> (usize, usize) + Send + 'static {
+        let out = self.out.clone();
+        move || {
+            let o = out.lock().expect("workload lock");
+            (o.acked.len(), o.failures.len())
+        }
+    }
 }
 
 fn spec(kind: Kind) -> JobSpec {
