@@ -191,9 +191,15 @@ async fn cancel_in_every_state_and_watch_sees_every_transition() {
         .await;
     assert_eq!(state(&b), JobState::Canceled);
 
-    c.submit(0, "stubborn", sh("trap '' TERM; sleep 60")).await;
-    c.wait_job(&[0], "stubborn", LONG, "running", |j| {
-        state(j) == JobState::Running
+    c.submit(
+        0,
+        "stubborn",
+        sh("trap '' TERM; echo trapped > $BATON_JOB_DIR/trapped; sleep 60"),
+    )
+    .await;
+    // RUNNING in etcd comes before the spawn: wait until the shell ignores SIGTERM.
+    wait_until("the job to ignore SIGTERM", LONG, || {
+        line_count(&c.job_dir("stubborn").join("trapped")) == 1
     })
     .await;
     let asked = Instant::now();
@@ -239,7 +245,7 @@ async fn a_cancel_followed_by_a_leader_kill_is_never_restarted() {
     )
     .await;
     wait_until("the job to start", LONG, || {
-        c.job_dir("doomed").join("runs").exists()
+        line_count(&c.job_dir("doomed").join("runs")) >= 1
     })
     .await;
     let mut jobs = c.jobs(f).await;
@@ -352,7 +358,7 @@ async fn a_paused_leaders_guard_kills_the_job_before_the_next_leader_starts_it()
     )
     .await;
     wait_until("the job to start", LONG, || {
-        c.job_dir("long").join("runs").exists()
+        line_count(&c.job_dir("long").join("runs")) >= 1
     })
     .await;
     c.replicas[k].pause();
@@ -389,7 +395,7 @@ async fn a_job_that_exited_before_the_leader_died_is_recorded_from_its_exit_file
     )
     .await;
     wait_until("the job to start", LONG, || {
-        c.job_dir("quick").join("runs").exists()
+        line_count(&c.job_dir("quick").join("runs")) >= 1
     })
     .await;
     // The leader freezes: the job ends under its guard, but nobody records the result.
@@ -660,7 +666,7 @@ async fn max_recoveries_stops_a_job_from_crash_looping_the_cluster() {
     )
     .await;
     wait_until("the job to start", LONG, || {
-        c.job_dir("fragile").join("runs").exists()
+        line_count(&c.job_dir("fragile").join("runs")) >= 1
     })
     .await;
     c.replicas[k].sigkill();

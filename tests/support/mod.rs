@@ -424,6 +424,14 @@ pub fn alive(pid: i32) -> bool {
     }
 }
 
+/// Complete lines in a file a job appends to (0 while it is missing). A file that exists may
+/// still be empty: the shell creates it before it writes.
+pub fn line_count(path: &std::path::Path) -> usize {
+    std::fs::read_to_string(path)
+        .map(|s| s.matches('\n').count())
+        .unwrap_or(0)
+}
+
 pub fn read_pids(path: &std::path::Path) -> Vec<i32> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
