@@ -192,6 +192,17 @@ async fn leader_cut_off_from_etcd_steps_down_before_anyone_else_leads() {
         "step-down reason: {:?}",
         down.reason
     );
+    // It says what its keepalives looked like: the last answered one was sent at least
+    // TTL - margin (1.5 s) before the step-down, and that is the longest gap.
+    let last = down.last_keepalive_ns.expect("the last answered keepalive");
+    let gap = down
+        .longest_keepalive_gap_ms
+        .expect("the longest keepalive gap");
+    assert!(
+        down.boottime_ns - last >= 1_400_000_000 && gap >= 1_400,
+        "last keepalive {} ms before the step-down, longest gap {gap} ms",
+        (down.boottime_ns - last) / 1_000_000
+    );
     let up = became(&events, &new.replica_id);
     assert!(
         down.boottime_ns < up.last().unwrap().boottime_ns,

@@ -12,7 +12,6 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
-use super::starts::StartBudget;
 use super::transition::{transition, Local, Outcome};
 use super::{cleanup, recovery, Ctx, Writer};
 use crate::election::Term;
@@ -38,7 +37,6 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
         waiting: BTreeSet::new(),
         timers: BTreeMap::new(),
         reserved: 0,
-        starts: StartBudget::new(ctx.config.max_starts_per_second, Instant::now()),
         tasks: JoinSet::new(),
         task_jobs: HashMap::new(),
         exits: HashMap::new(),
@@ -145,7 +143,6 @@ struct Actor {
     waiting: BTreeSet<(i64, String)>,
     timers: BTreeMap<u64, HashSet<String>>,
     reserved: usize,
-    starts: StartBudget,
     tasks: JoinSet<(String, bool, Outcome)>,
     /// Which job (and whether it holds a slot) each transition task is for.
     task_jobs: HashMap<tokio::task::Id, (String, bool)>,
@@ -163,10 +160,12 @@ impl Actor {
 
     /// Re-examines job `id` from its current state in etcd.
     fn reconcile(&mut self, id: String) {
-        self.reconcile_with(id, None);
+        self.reconcile_with(id, None, false);
     }
 
-    fn reconcile_with(&mut self, id: String, exited: Option<Local>) {
+    /// `queued`: the job comes off the waiting set, whose order decides who starts next; any
+    /// other job may take a slot only while nobody waits, or it would overtake them.
+    fn reconcile_with(&mut self, id: String, exited: Option<Local>, queued: bool) {
         if self.inflight.contains(&id) {
             match exited {
                 Some(view) => {
@@ -181,8 +180,9 @@ impl Actor {
         let local = self.running.get(&id).cloned();
         let slot = local.is_none()
             && exited.is_none()
+            && (queued || self.waiting.is_empty())
             && self.free_slots() > 0
-            && self.starts.try_take(Instant::now());
+            && self.ctx.starts().try_take(Instant::now());
         if slot {
             self.reserved += 1;
         }
@@ -208,7 +208,7 @@ impl Actor {
         if slot {
             self.reserved -= 1;
             if !matches!(outcome, Outcome::Started(..)) {
-                self.starts.give_back();
+                self.ctx.starts().give_back();
             }
         }
         match outcome {
@@ -261,7 +261,7 @@ impl Actor {
         }
         if let Some(view) = self.exits.remove(&id) {
             self.recheck.remove(&id);
-            self.reconcile_with(id, Some(view));
+            self.reconcile_with(id, Some(view), false);
         } else if self.recheck.remove(&id) {
             self.reconcile(id);
         }
@@ -271,16 +271,16 @@ impl Actor {
     /// When the start budget next allows a waiting job to start, if one waits for it alone.
     fn budget_wakeup(&mut self) -> Option<Instant> {
         (self.free_slots() > 0 && !self.waiting.is_empty())
-            .then(|| self.starts.next_at(Instant::now()))
+            .then(|| self.ctx.starts().next_at(Instant::now()))
     }
 
     fn fill_slots(&mut self) {
-        while self.free_slots() > 0 && self.starts.next_at(Instant::now()) <= Instant::now() {
+        while self.free_slots() > 0 && self.ctx.starts().next_at(Instant::now()) <= Instant::now() {
             let Some(first) = self.waiting.pop_first() else {
                 break;
             };
             if !self.running.contains_key(&first.1) {
-                self.reconcile(first.1);
+                self.reconcile_with(first.1, None, true);
             }
         }
     }
@@ -293,7 +293,7 @@ impl Actor {
             self.running.insert(id, l);
             return;
         }
-        self.reconcile_with(id, Some(l));
+        self.reconcile_with(id, Some(l), false);
         self.fill_slots();
     }
 
@@ -318,7 +318,7 @@ impl Actor {
         while let Some(done) = self.tasks.join_next().await {
             if let Ok((_, _, Outcome::Started(_, g))) = done {
                 g.feed.abandon();
-                late.push(g.pid);
+                late.push(g.feed);
             }
         }
         let n = self.running.len();
@@ -326,15 +326,11 @@ impl Actor {
             tracing::info!(jobs = n, "term over: killed all running jobs");
         }
         // The guards exit within milliseconds of SIGHUP; their pipes are already closed.
-        let mut pids: Vec<i32> = self.running.values().map(|l| l.feed.pid()).collect();
-        pids.extend(late);
+        let mut feeds: Vec<_> = self.running.values().map(|l| l.feed.clone()).collect();
+        feeds.extend(late);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        for pid in pids {
-            while nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
-                && tokio::time::Instant::now() < deadline
-            {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
+        while feeds.iter().any(|f| f.is_running()) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 }

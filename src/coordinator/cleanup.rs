@@ -22,7 +22,7 @@ use etcd_client::{Compare, CompareOp, TxnOp, WatchOptions};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use super::{storage, CleanupConfig, Ctx, Writer};
+use super::{proven, storage, CleanupConfig, Ctx, Writer};
 use crate::exec::record::{self, KilledBy};
 use crate::exec::spawner::{self, Launch};
 use crate::jobs::records::{self, JobResult, TerminalStatus};
@@ -311,10 +311,11 @@ async fn stage_command(
         env,
         timeout: cfg.cleanup.timeout,
     };
+    ctx.take_start().await;
     if term.check().is_err() {
         return Err(StageError::TermOver);
     }
-    let mut g = spawner::spawn(launch, term.valid_until())
+    let mut g = spawner::spawn(launch, proven(term))
         .await
         .map_err(|e| StageError::Failed(format!("cannot start the cleanup command: {e}")))?;
     let mut deadlines = term.deadlines();

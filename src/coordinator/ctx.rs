@@ -1,8 +1,12 @@
 //! What the leader's tasks share: settings and the etcd handles.
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
+use super::starts::StartBudget;
+use crate::clock::BootInstant;
+use crate::election::Term;
 use crate::exec::spawner::GuardSettings;
 use crate::store::{Keys, Store};
 
@@ -26,6 +30,42 @@ pub struct Ctx {
     pub(crate) store: Store,
     pub(crate) keys: Keys,
     pub(crate) config: CoordinatorConfig,
+    /// One budget for every start: jobs and cleanup commands alike.
+    starts: Mutex<StartBudget>,
+}
+
+impl Ctx {
+    pub fn new(store: Store, keys: Keys, config: CoordinatorConfig) -> Ctx {
+        let starts = Mutex::new(StartBudget::new(
+            config.max_starts_per_second,
+            Instant::now(),
+        ));
+        Ctx {
+            store,
+            keys,
+            config,
+            starts,
+        }
+    }
+
+    pub(crate) fn starts(&self) -> MutexGuard<'_, StartBudget> {
+        self.starts.lock().expect("start budget lock")
+    }
+
+    /// Waits until the start budget has a start, and takes it.
+    pub(crate) async fn take_start(&self) {
+        loop {
+            let now = Instant::now();
+            let at = {
+                let mut b = self.starts();
+                if b.try_take(now) {
+                    return;
+                }
+                b.next_at(now)
+            };
+            tokio::time::sleep_until(at.into()).await;
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -40,4 +80,10 @@ pub struct CleanupConfig {
     /// Test and drill hook: the term that recorded this stage stops there (a new leader
     /// resumes). 0 holds every cleanup before it starts.
     pub pause_after_stage: Option<u32>,
+}
+
+/// The term's latest proven deadline when called: what a new guard is fed first.
+pub(crate) fn proven(term: &Term) -> impl FnOnce() -> BootInstant + Send + 'static {
+    let deadlines = term.deadlines();
+    move || *deadlines.borrow()
 }

@@ -21,6 +21,7 @@ pub mod storage;
 mod transition;
 mod writer;
 
+pub(crate) use ctx::proven;
 pub use ctx::{CleanupConfig, CoordinatorConfig, Ctx};
 pub use writer::Writer;
 
@@ -39,11 +40,7 @@ pub async fn run(
     config: CoordinatorConfig,
     mut role: watch::Receiver<Role>,
 ) {
-    let ctx = Arc::new(Ctx {
-        store,
-        keys,
-        config,
-    });
+    let ctx = Arc::new(Ctx::new(store, keys, config));
     loop {
         let term = role.borrow_and_update().term().cloned();
         if let Some(term) = term.filter(|t| !t.has_ended()) {

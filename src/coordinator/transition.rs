@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, TxnOp};
 
-use super::{storage, CoordinatorConfig, Ctx, Writer};
+use super::{proven, storage, CoordinatorConfig, Ctx, Writer};
 use crate::election::{Commit, FenceError};
 use crate::exec::record::{self, ExitRecord, KilledBy};
 use crate::exec::spawner::{self, Guard, GuardFeed, Launch};
@@ -267,7 +267,7 @@ impl JobCtx<'_> {
         if term.check().is_err() {
             return Outcome::Idle;
         }
-        match spawner::spawn(launch, term.valid_until()).await {
+        match spawner::spawn(launch, proven(term)).await {
             Ok(g) => {
                 tracing::info!(
                     job_id = self.id(),

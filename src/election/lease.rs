@@ -26,8 +26,9 @@ use crate::clock::BootInstant;
 use crate::rolelog;
 use crate::store::{self, EtcdConfig, Store};
 
-/// When keepalives were answered, for the step-down's record: the last answer and the longest
-/// gap between two answers (or between an answer and now).
+/// What the step-down records of a term's keepalives: when the last answered one was sent
+/// (what the lease's validity rests on) and the longest gap between two answered ones, or
+/// between the last one and the step-down. Counted from the start of the term.
 #[derive(Debug)]
 pub struct KeepaliveStats {
     last_answered_ns: AtomicU64,
@@ -50,7 +51,12 @@ impl KeepaliveStats {
             .fetch_max(at.as_nanos().saturating_sub(before), Ordering::SeqCst);
     }
 
-    /// The last answered keepalive.
+    /// Starts counting gaps afresh (a term begins); the last answer stays.
+    fn reset(&self) {
+        self.longest_gap_ns.store(0, Ordering::SeqCst);
+    }
+
+    /// When the last answered keepalive was sent.
     pub fn last_answered(&self) -> BootInstant {
         BootInstant::from_nanos(self.last_answered_ns.load(Ordering::SeqCst))
     }
@@ -164,7 +170,7 @@ impl Lease {
 
     /// Records a proof obtained elsewhere (the post-campaign check), logged like the keeper's.
     pub fn record(&self, proof: Proof) {
-        self.keepalives.answered(BootInstant::now());
+        self.keepalives.answered(proof.sent);
         if proof.valid_until > self.valid_until() {
             rolelog::lease_proven(&self.replica, self.id, proof.sent, proof.valid_until);
             self.valid_until
@@ -175,6 +181,7 @@ impl Lease {
     /// Binds the term this lease carries: when the lease is lost, the keeper thread itself ends
     /// the term, so the step-down is logged on time even while the main runtime is stalled.
     pub fn bind(&self, term: &Term) {
+        self.keepalives.reset();
         let _ = self.term.set(term.clone());
     }
 
@@ -336,7 +343,7 @@ impl Keeper {
                     conn = back;
                     match outcome {
                         Ok(Renewal::Proven(p)) => {
-                            self.keepalives.answered(BootInstant::now());
+                            self.keepalives.answered(p.sent);
                             if p.valid_until > *self.valid_until.borrow() {
                                 // Logged before it is used, so the log bounds what the term relied on.
                                 rolelog::lease_proven(&self.replica, self.id, p.sent, p.valid_until);

@@ -58,7 +58,8 @@ pub struct GuardArgs {
     /// Append a JSON line per execution start and end to this file (drills audit them).
     #[arg(long)]
     pub ledger: Option<PathBuf>,
-    /// The job's niceness (0 to 19); the guard itself keeps its own.
+    /// The job's niceness, at least (0 to 19; a guard already nicer passes its own on); the
+    /// guard itself keeps its own.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=19))]
     pub nice: i32,
     /// The spawning process: if the guard finds another parent at start (its parent died
@@ -134,7 +135,7 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
         if let Some(d) = feed.deadline {
             break d;
         }
-        if feed.closed || BootInstant::now() >= first {
+        if feed.closed || BootInstant::now() >= first || let_go(&signals) {
             return Ok(NOT_STARTED);
         }
         feed.wait(Duration::from_millis(100))?;
@@ -149,7 +150,10 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
         .append(true)
         .open(log_path(&args.dir, &args.name))?;
     let guard_pid = std::process::id() as i32;
-    let nice = args.nice;
+    // Only ever raised: a guard already running niced (a niced replica) keeps that, and raising
+    // needs no privilege, so it cannot fail the job.
+    let current = unsafe { nix::libc::getpriority(nix::libc::PRIO_PROCESS, 0) };
+    let nice = (args.nice > current).then_some(args.nice);
     let mut cmd = Command::new(&args.command[0]);
     cmd.args(&args.command[1..])
         .stdin(Stdio::null())
@@ -164,12 +168,18 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
             if getppid().as_raw() != guard_pid {
                 nix::libc::_exit(NOT_STARTED);
             }
-            if nice != 0 && nix::libc::setpriority(nix::libc::PRIO_PROCESS, 0, nice) != 0 {
-                return Err(std::io::Error::last_os_error());
+            if let Some(nice) = nice {
+                nix::libc::setpriority(nix::libc::PRIO_PROCESS, 0, nice);
             }
             // The signals the guard blocks must not stay blocked in the job.
             SigSet::all().thread_unblock().map_err(std::io::Error::from)
         });
+    }
+    // The parent may have let go in the same breath as it sent the first deadline (a guard
+    // abandoned right after its spawn): the last look before the job starts.
+    feed.read_available()?;
+    if feed.closed || let_go(&signals) {
+        return Ok(NOT_STARTED);
     }
     let started = BootInstant::now();
     let mut child = match cmd.spawn() {
@@ -295,6 +305,11 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
             }
         }
     }
+}
+
+/// Whether a stop signal (the parent's death, SIGHUP from an abandon, SIGTERM) is pending.
+fn let_go(signals: &SignalFd) -> bool {
+    matches!(signals.read_signal(), Ok(Some(_)))
 }
 
 fn write_exit(args: &GuardArgs, rec: &ExitRecord) -> std::io::Result<()> {

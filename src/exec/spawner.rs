@@ -17,7 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -25,8 +25,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::oneshot;
@@ -86,6 +85,9 @@ pub struct Guard {
 pub struct GuardFeed {
     stdin: Arc<Mutex<Option<std::process::ChildStdin>>>,
     pid: i32,
+    /// Signals go through a pidfd, so one sent after the guard was reaped reaches nobody
+    /// rather than a process that reused its pid.
+    pidfd: Option<Arc<OwnedFd>>,
 }
 
 impl GuardFeed {
@@ -117,7 +119,28 @@ impl GuardFeed {
     /// The execution may not go on: the guard kills the job's group at once.
     pub fn abandon(&self) {
         self.stdin.lock().expect("guard feed lock").take();
-        let _ = kill(Pid::from_raw(self.pid), Signal::SIGHUP);
+        self.signal(Signal::SIGHUP as i32);
+    }
+
+    /// Whether the guard has not been reaped yet.
+    pub fn is_running(&self) -> bool {
+        self.signal(0)
+    }
+
+    fn signal(&self, sig: i32) -> bool {
+        let Some(fd) = &self.pidfd else {
+            return false;
+        };
+        let r = unsafe {
+            nix::libc::syscall(
+                nix::libc::SYS_pidfd_send_signal,
+                fd.as_raw_fd(),
+                sig,
+                std::ptr::null::<nix::libc::siginfo_t>(),
+                0,
+            )
+        };
+        r == 0
     }
 }
 
@@ -144,6 +167,15 @@ fn spawner() -> &'static mpsc::Sender<Request> {
 }
 
 fn spawn_loop(rx: mpsc::Receiver<Request>) {
+    // Without this thread no guard can start, and every running guard has lost its parent-death
+    // anchor: a replica in that state must not go on.
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(rx))).is_err() {
+        eprintln!("baton: the spawner thread panicked; aborting");
+        std::process::abort();
+    }
+}
+
+fn serve(rx: mpsc::Receiver<Request>) {
     // Guards nobody took over: their pipes are closed, they exit on their own; reap them.
     let mut orphans: Vec<Child> = Vec::new();
     loop {
@@ -177,9 +209,14 @@ fn spawn_loop(rx: mpsc::Receiver<Request>) {
     }
 }
 
-/// Starts a guard for `launch`, fed `first_deadline` before anything else. Must be called on a
-/// tokio runtime, which reaps the guard.
-pub async fn spawn(launch: Launch, first_deadline: BootInstant) -> std::io::Result<Guard> {
+/// Starts a guard for `launch`, fed `first_deadline()` (read once the guard exists, so a slow
+/// spawn does not feed a stale deadline) before anything else. Must be called on a tokio
+/// runtime, which reaps the guard. Cancel-safe: if the caller goes away, the guard is still
+/// taken over, its pipe closed (it starts nothing, or kills what it started) and reaped.
+pub async fn spawn(
+    launch: Launch,
+    first_deadline: impl FnOnce() -> BootInstant + Send + 'static,
+) -> std::io::Result<Guard> {
     let (reply, answer) = oneshot::channel();
     spawner()
         .send(Request {
@@ -187,20 +224,25 @@ pub async fn spawn(launch: Launch, first_deadline: BootInstant) -> std::io::Resu
             reply,
         })
         .map_err(|_| std::io::Error::other("the spawner thread is gone"))?;
-    let (mut child, pidfd) = answer
-        .await
-        .map_err(|_| std::io::Error::other("the spawner thread is gone"))??;
+    tokio::spawn(async move {
+        let (child, pidfd) = answer
+            .await
+            .map_err(|_| std::io::Error::other("the spawner thread is gone"))??;
+        adopt(child, pidfd, first_deadline())
+    })
+    .await
+    .map_err(|e| std::io::Error::other(format!("starting a guard failed: {e}")))?
+}
+
+/// Takes a freshly spawned guard over: its pipe, its first deadline and its reaping.
+fn adopt(mut child: Child, pidfd: OwnedFd, first_deadline: BootInstant) -> std::io::Result<Guard> {
     let stdin = child.stdin.take().expect("guard stdin is piped");
-    nix::fcntl::fcntl(
+    let nonblocking = nix::fcntl::fcntl(
         stdin.as_fd(),
         nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
-    )?;
+    );
     let pid = child.id() as i32;
-    let feed = GuardFeed {
-        stdin: Arc::new(Mutex::new(Some(stdin))),
-        pid,
-    };
-    feed.deadline(first_deadline);
+    let signals = pidfd.try_clone().ok().map(Arc::new);
     let (exit_tx, exited) = oneshot::channel();
     // SAFETY: the OwnedFd is moved into the AsyncFd and stays open, unchanged, until it drops.
     let pidfd = unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
@@ -208,6 +250,14 @@ pub async fn spawn(launch: Launch, first_deadline: BootInstant) -> std::io::Resu
     tokio::spawn(async move {
         let _ = exit_tx.send(reap(child, pidfd).await);
     });
+    // Closing the pipe on an error makes the guard exit without starting anything.
+    nonblocking?;
+    let feed = GuardFeed {
+        stdin: Arc::new(Mutex::new(Some(stdin))),
+        pid,
+        pidfd: signals,
+    };
+    feed.deadline(first_deadline);
     Ok(Guard { pid, feed, exited })
 }
 
