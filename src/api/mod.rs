@@ -1,4 +1,5 @@
-//! The gRPC surface of a replica: `baton.v1` services, standard health and reflection.
+//! The gRPC surface of a replica: `baton.v1` services, standard health and reflection (v1 and
+//! v1alpha).
 
 mod cluster;
 mod jobs;
@@ -29,10 +30,18 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let (health, health_service) = tonic_health::server::health_reporter();
     mark_serving(&health).await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    // Both versions: grpcurl speaks v1, while Python's grpcio-reflection, Postman and older
+    // grpcurl speak only v1alpha.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection()
         .build_v1()
+        .expect("the embedded descriptor sets are valid");
+    let reflection_v1alpha = reflection()
+        .build_v1alpha()
         .expect("the embedded descriptor sets are valid");
     let local: Option<SocketAddr> = listener.local_addr().ok();
     tracing::info!(listen = ?local, "gRPC API serving");
@@ -45,7 +54,8 @@ pub async fn serve(
     });
     Server::builder()
         .add_service(health_service)
-        .add_service(reflection)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
         .add_service(ClusterServiceServer::new(cluster))
         .add_service(JobServiceServer::new(jobs).max_decoding_message_size(jobs::MAX_REQUEST_BYTES))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop.cancelled_owned())
