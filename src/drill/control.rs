@@ -87,6 +87,11 @@ impl Control {
         self.faults_done.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A token the workload stops on: cancelled by the first signal.
+    pub fn stop_token(&self) -> CancellationToken {
+        self.interrupted.child_token()
+    }
+
     pub fn interrupted(&self) -> bool {
         self.interrupted.is_cancelled()
     }
@@ -116,10 +121,12 @@ impl Control {
                 PROGRESS_EVERY
             };
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-            loop {
+            let mut last = false;
+            while !last {
                 tokio::select! {
                     _ = tick.tick() => {}
-                    _ = s.cancelled() => break,
+                    // One last line at the end, so even a short drill reports its progress.
+                    _ = s.cancelled() => last = true,
                 }
                 let finished = check::count_prefix(&target, "results/dirty/")
                     .await

@@ -259,7 +259,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
         .context("no leader at the start")?;
     let members = args.etcd_members.max(1);
 
-    let workload = workload::start(lab.client(), &args, seed);
+    let workload = workload::start(lab.client(), &args, seed, control.stop_token());
     let progress = control.progress(lab.target(), &workload);
     let mut rounds = Vec::new();
     let mut round = 0;

@@ -97,7 +97,7 @@ pub async fn run(args: DrillArgs, seed: u64) -> anyhow::Result<i32> {
         args.cluster
     );
     let control = Control::start(args.duration, args.rounds)?;
-    let workload = workload::start(client.clone(), &args, seed);
+    let workload = workload::start(client.clone(), &args, seed, control.stop_token());
     let progress = control.progress(target.clone(), &workload);
     let mut rounds = Vec::new();
     let mut round = 0;

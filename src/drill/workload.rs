@@ -82,8 +82,8 @@ fn spec(kind: Kind) -> JobSpec {
     spec
 }
 
-pub fn start(client: ClientArgs, args: &DrillArgs, seed: u64) -> Workload {
-    let stop = CancellationToken::new();
+/// Starts submitting; `stop` (a signal, say) ends the submissions early.
+pub fn start(client: ClientArgs, args: &DrillArgs, seed: u64, stop: CancellationToken) -> Workload {
     let out = Arc::new(Mutex::new(Submitted::default()));
     let client = ClientArgs {
         timeout: Duration::from_secs(30),
