@@ -60,6 +60,18 @@ fn wait_exit(child: &mut Child) -> i32 {
     }
 }
 
+/// Waits until every process the job listed in `pids` is gone.
+async fn all_die(pids: &Path) {
+    for p in read_pids(pids) {
+        wait_until(
+            "every process of the job to die",
+            Duration::from_secs(5),
+            || !alive(p),
+        )
+        .await;
+    }
+}
+
 const FAMILY: &str =
     "sleep 60 & echo $! >> $BATON_JOB_DIR/pids; echo $$ >> $BATON_JOB_DIR/pids; wait";
 
@@ -130,14 +142,7 @@ async fn renewals_keep_the_job_alive_and_a_closed_pipe_kills_it_at_once() {
         read_exit(dir.path(), "attempt-1").unwrap().killed_by,
         Some(KilledBy::LeaderGone)
     );
-    for p in read_pids(&pids_file) {
-        wait_until(
-            "every process of the job to die",
-            Duration::from_secs(5),
-            || !alive(p),
-        )
-        .await;
-    }
+    all_die(&pids_file).await;
 }
 
 #[test]
@@ -187,12 +192,5 @@ async fn a_guard_whose_spawning_thread_dies_kills_its_job() {
         read_exit(dir.path(), "attempt-1").unwrap().killed_by,
         Some(KilledBy::LeaderGone)
     );
-    for p in read_pids(&pids_file) {
-        wait_until(
-            "every process of the job to die",
-            Duration::from_secs(5),
-            || !alive(p),
-        )
-        .await;
-    }
+    all_die(&pids_file).await;
 }

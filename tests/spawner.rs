@@ -21,6 +21,17 @@ fn opts(extra: &[&str]) -> Options {
     }
 }
 
+/// A cluster whose guards append every execution to a ledger of the test's own.
+fn with_ledger(extra: &[&str]) -> (tempfile::TempDir, std::path::PathBuf, Cluster) {
+    let scratch = tempfile::tempdir().unwrap();
+    let path = scratch.path().join("ledger.jsonl");
+    let arg = path.display().to_string();
+    let mut args = extra.to_vec();
+    args.extend(["--execution-ledger", &arg]);
+    let c = Cluster::start(opts(&args));
+    (scratch, path, c)
+}
+
 fn ledger(path: &std::path::Path) -> Vec<LedgerEntry> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
@@ -62,15 +73,7 @@ fn stat_field(pid: i32, n: usize) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_hundred_jobs_started_at_once_cost_no_lease_and_start_once_each() {
     const N: usize = 300;
-    let scratch = tempfile::tempdir().unwrap();
-    let ledger_path = scratch.path().join("ledger.jsonl");
-    let ledger_arg = ledger_path.display().to_string();
-    let c = Cluster::start(opts(&[
-        "--max-running",
-        "300",
-        "--execution-ledger",
-        &ledger_arg,
-    ]));
+    let (_scratch, ledger_path, c) = with_ledger(&["--max-running", "300"]);
     let (k, _) = c.leader_index().await;
     let client = c.jobs((k + 1) % 3).await;
     futures_util::stream::iter(0..N)
@@ -129,15 +132,7 @@ async fn three_hundred_jobs_started_at_once_cost_no_lease_and_start_once_each() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn starts_are_bounded_per_second_in_submission_order_and_waiting_jobs_say_why() {
-    let scratch = tempfile::tempdir().unwrap();
-    let ledger_path = scratch.path().join("ledger.jsonl");
-    let ledger_arg = ledger_path.display().to_string();
-    let c = Cluster::start(opts(&[
-        "--max-starts-per-second",
-        "2",
-        "--execution-ledger",
-        &ledger_arg,
-    ]));
+    let (_scratch, ledger_path, c) = with_ledger(&["--max-starts-per-second", "2"]);
     let (k, _) = c.leader_index().await;
     let t0 = baton::clock::BootInstant::now();
     for i in 0..8 {
