@@ -21,6 +21,7 @@ pub mod logging;
 pub mod rolelog;
 pub mod server;
 pub mod store;
+pub mod worker;
 
 pub mod proto {
     tonic::include_proto!("baton.v1");

@@ -28,6 +28,7 @@ fn main() -> ExitCode {
     let result: anyhow::Result<()> = rt.block_on(async {
         match cli.command {
             Command::Serve(args) => Ok(baton::server::run(*args).await?),
+            Command::Worker(args) => Ok(baton::server::run_worker(*args).await?),
             Command::Dev(args) => baton::devcluster::run_dev(args).await,
             Command::Leader { command } => match command {
                 LeaderCommand::Get(args) => baton::cli::leader_get(&args).await,

@@ -1,8 +1,9 @@
 //! `baton serve`: one replica. Wires etcd, the election, the API and signals together.
 //!
 //! Shutdown order on SIGTERM/SIGINT: the election ends its term (leader work stops, resign,
-//! lease revoked), then the API drains, then the process exits 0. The next replica takes over
-//! as soon as the resign lands, not a TTL later.
+//! lease revoked), then the embedded worker stops its jobs (recorded `preempted`, so the next
+//! leader reschedules them at once) and revokes its lease, then the API drains, then the process
+//! exits 0. The next replica takes over as soon as the resign lands, not a TTL later.
 
 use std::time::Duration;
 
@@ -12,10 +13,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::{self, ClusterApi, JobApi};
 use crate::config::{ConfigError, ServeArgs};
-use crate::coordinator::{self, storage, CleanupConfig, CoordinatorConfig};
+use crate::config::{RunArgs, WorkerArgs};
+use crate::coordinator::{self, CleanupConfig, CoordinatorConfig};
 use crate::election::{self, ElectionConfig, Role};
 use crate::exec::spawner::GuardSettings;
 use crate::store::{self, Keys, Store};
+use crate::worker::{self, WorkerConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -33,8 +36,8 @@ pub enum Error {
     Serve(#[from] tonic::transport::Error),
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
-    #[error(transparent)]
-    Storage(#[from] storage::Error),
+    #[error("cannot use --storage-dir {0}")]
+    Storage(std::path::PathBuf, #[source] std::io::Error),
     #[error("the election task failed: {0}")]
     Crashed(String),
     #[error("cannot find the baton binary to run job guards")]
@@ -49,9 +52,7 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
     store
         .wait_reachable(keys.prefix(), args.etcd.startup_timeout)
         .await?;
-    storage::check_marker(&store, &keys, &args.cluster, &args.storage_dir).await?;
-    let storage_dir = std::fs::canonicalize(&args.storage_dir)
-        .map_err(|e| storage::Error::Io(args.storage_dir.clone(), e))?;
+    let storage_dir = storage_dir(&args.run)?;
     let guard_bin = std::env::current_exe().map_err(Error::GuardBinary)?;
     let listener = TcpListener::bind(args.listen)
         .await
@@ -79,18 +80,11 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         advertise = %config.advertise,
         "replica starting"
     );
+    let guard = guard_settings(&args.run, guard_bin, config.margin);
     let coordinator_config = CoordinatorConfig {
         replica_id: replica_id.clone(),
         storage_dir: storage_dir.clone(),
-        guard: GuardSettings {
-            guard_bin,
-            margin: config.margin,
-            kill_grace: args.kill_grace,
-            nice: args.job_nice,
-            ledger: args.execution_ledger.clone(),
-            unsafe_ignore_deadlines: args.unsafe_ignore_guard_deadlines,
-        },
-        max_running: args.max_running,
+        guard: guard.clone(),
         max_starts_per_second: args.max_starts_per_second,
         max_recoveries: args.max_recoveries,
         retry_initial: args.retry_initial_delay,
@@ -119,6 +113,25 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         cmd_rx,
         shutdown.clone(),
     ));
+    let worker_stop = CancellationToken::new();
+    let embedded = args.worker.then(|| {
+        let cfg = WorkerConfig {
+            worker_id: replica_id.clone(),
+            advertise: args.advertise(),
+            capacity: args.run.max_running,
+            labels: args.run.labels(),
+            storage_dir: storage_dir.clone(),
+            guard,
+            lease_ttl: args.lease_ttl,
+            assign_timeout: args.run.assign_timeout,
+        };
+        tokio::spawn(worker::run(
+            store.clone(),
+            keys.clone(),
+            cfg,
+            worker_stop.clone(),
+        ))
+    });
     let api_stop = CancellationToken::new();
     let jobs = JobApi::new(store.clone(), keys.clone(), replica_id.clone(), storage_dir);
     let cluster = ClusterApi::new(store, keys, replica_id.clone(), role_rx, cmd_tx);
@@ -131,6 +144,10 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
     ));
 
     let finished = election.await;
+    worker_stop.cancel();
+    if let Some(w) = embedded {
+        let _ = w.await;
+    }
     api_stop.cancel();
     match tokio::time::timeout(Duration::from_secs(5), server).await {
         Ok(Ok(r)) => r?,
@@ -140,6 +157,52 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         return Err(Error::Crashed(e.to_string()));
     }
     tracing::info!(replica = %replica_id, "replica stopped");
+    Ok(())
+}
+
+fn storage_dir(run: &RunArgs) -> Result<std::path::PathBuf, Error> {
+    let dir = &run.storage_dir;
+    std::fs::create_dir_all(dir).map_err(|e| Error::Storage(dir.clone(), e))?;
+    std::fs::canonicalize(dir).map_err(|e| Error::Storage(dir.clone(), e))
+}
+
+fn guard_settings(run: &RunArgs, guard_bin: std::path::PathBuf, margin: Duration) -> GuardSettings {
+    GuardSettings {
+        guard_bin,
+        margin,
+        kill_grace: run.kill_grace,
+        nice: run.job_nice,
+        ledger: run.execution_ledger.clone(),
+        unsafe_ignore_deadlines: run.unsafe_ignore_guard_deadlines,
+    }
+}
+
+/// `baton worker`: runs assigned jobs until SIGTERM/SIGINT, then preempts them and revokes its
+/// lease.
+pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
+    args.validate()?;
+    let keys = Keys::new(&args.cluster);
+    let store = Store::connect(args.etcd.etcd_config()).await?;
+    store
+        .wait_reachable(keys.prefix(), args.etcd.startup_timeout)
+        .await?;
+    let storage_dir = storage_dir(&args.run)?;
+    let guard_bin = std::env::current_exe().map_err(Error::GuardBinary)?;
+    let worker_id = args.worker_id();
+    let cfg = WorkerConfig {
+        worker_id: worker_id.clone(),
+        advertise: args.advertise.clone().unwrap_or_else(|| worker_id.clone()),
+        capacity: args.run.max_running,
+        labels: args.run.labels(),
+        storage_dir,
+        guard: guard_settings(&args.run, guard_bin, args.margin()),
+        lease_ttl: args.lease_ttl,
+        assign_timeout: args.run.assign_timeout,
+    };
+    tracing::info!(worker = %worker_id, cluster = %args.cluster, capacity = cfg.capacity, "worker starting");
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone())?;
+    worker::run(store, keys, cfg, shutdown).await;
     Ok(())
 }
 

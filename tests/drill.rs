@@ -118,9 +118,7 @@ async fn an_existing_cluster_is_drilled_through_fault_commands() {
     // Only this cluster's replica (its etcd port is unique to this test); `[s]` keeps pkill from
     // matching the shell that runs it.
     let etcd = c.etcd.endpoints().join(",");
-    let kill = format!(
-        "pkill -KILL -f -- '--etcd-endpoint[s] {etcd} --cluster test --replica-id {{replica}} '"
-    );
+    let kill = format!("pkill -KILL -f -- '--replica-i[d] {{replica}} .*--etcd-endpoints {etcd} '");
     let out = tokio::task::spawn_blocking(move || {
         Command::new(BIN)
             .args([

@@ -1,6 +1,7 @@
-//! Jobs on real replicas and a real etcd: submission, retries, duplicates, cancel, WatchJob,
-//! submission without a leader, recovery after SIGKILL and SIGSTOP of the leader, exit records
-//! picked up instead of re-running, a thousand jobs across two leader kills, and bad input.
+//! Jobs on real replicas, workers and a real etcd: submission, retries, duplicates, cancel,
+//! WatchJob, submission without a leader, recovery after SIGKILL and SIGSTOP of a worker, exits
+//! recorded across a leader's death instead of re-running, a thousand jobs across two leader
+//! kills, and bad input.
 
 mod support;
 
@@ -22,6 +23,16 @@ fn opts(extra: &[&str]) -> Options {
             .map(|s| s.to_string())
             .collect(),
         ..Options::default()
+    }
+}
+
+/// Coordinators only (`--worker=false`) and `workers` separate workers with `worker_args`.
+fn on_workers(workers: usize, worker_args: &[&str], extra: &[&str]) -> Options {
+    Options {
+        embedded: false,
+        workers,
+        worker_args: worker_args.iter().map(|s| s.to_string()).collect(),
+        ..opts(extra)
     }
 }
 
@@ -134,8 +145,13 @@ async fn duplicate_ids_return_the_same_job_or_are_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_in_every_state_and_watch_sees_every_transition() {
-    let c = Cluster::start(opts(&["--max-running", "1", "--kill-grace", "1s"]));
+    let c = Cluster::start(on_workers(
+        1,
+        &["--max-running", "1", "--kill-grace", "1s"],
+        &[],
+    ));
     c.leader_index().await;
+    c.wait_workers(&["w1"]).await;
     c.submit(0, "blocker", sh("sleep 60")).await;
     c.wait_job(&[0], "blocker", LONG, "running", |j| {
         state(j) == JobState::Running
@@ -297,9 +313,9 @@ async fn submissions_succeed_while_there_is_no_leader_and_run_later() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkill_of_the_leader_restarts_running_jobs_as_recovered_and_leaves_no_process_behind() {
-    let mut c = Cluster::start(opts(&[]));
-    let (k, old) = c.leader_index().await;
+async fn sigkill_of_a_worker_restarts_its_jobs_elsewhere_only_after_its_key_is_gone_plus_a_ttl() {
+    let mut c = Cluster::start(on_workers(1, &[], &[]));
+    c.leader_index().await;
     let script = "env | grep ^BATON_ > $BATON_JOB_DIR/env-$BATON_ATTEMPT; \
                   if [ \"$BATON_ATTEMPT\" = 1 ]; then \
                     sleep 60 & echo $! >> $BATON_JOB_DIR/pids-1; echo $$ >> $BATON_JOB_DIR/pids-1; \
@@ -313,20 +329,21 @@ async fn sigkill_of_the_leader_restarts_running_jobs_as_recovered_and_leaves_no_
         })
         .await;
     }
-    c.replicas[k].sigkill();
+    c.add_worker(&[]);
+    c.wait_workers(&["w1", "w2"]).await;
+    c.workers[0].sigkill();
     for id in ["grandchild", "stubborn"] {
         let pids = read_pids(&c.job_dir(id).join("pids-1"));
         wait_until(
-            "every process of the killed leader's job to die",
+            "every process of the killed worker's job to die",
             Duration::from_secs(10),
             || pids.iter().all(|&p| !alive(p)),
         )
         .await;
     }
-    let rest = c.others(k);
-    c.wait_new_leader(&rest, old.term).await;
+    let all = c.all_indices();
     for id in ["grandchild", "stubborn"] {
-        let j = c.wait_job(&rest, id, LONG, "terminal", terminal).await;
+        let j = c.wait_job(&all, id, LONG, "terminal", terminal).await;
         assert_eq!(state(&j), JobState::Finished, "{id}: {j:?}");
         assert_eq!(
             (j.attempts, j.recoveries, j.failed_attempts),
@@ -335,22 +352,39 @@ async fn sigkill_of_the_leader_restarts_running_jobs_as_recovered_and_leaves_no_
         );
         let env = std::fs::read_to_string(c.job_dir(id).join("env-2")).unwrap();
         assert!(
-            env.contains("BATON_RECOVERED=1") && env.contains("BATON_ATTEMPT=2"),
+            env.contains("BATON_RECOVERED=1")
+                && env.contains("BATON_ATTEMPT=2")
+                && env.contains("BATON_WORKER=w2"),
             "{env}"
         );
         let env1 = std::fs::read_to_string(c.job_dir(id).join("env-1")).unwrap();
         assert!(!env1.contains("BATON_RECOVERED"), "{env1}");
-        assert_eq!(
-            c.exit_record(id, 1).unwrap().killed_by,
-            Some(KilledBy::LeaderGone)
+        let token = |env: &str| -> i64 {
+            env.lines()
+                .find_map(|l| l.strip_prefix("BATON_TERM="))
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        assert!(token(&env) > token(&env1), "the fencing token rises");
+        let first = c.exit_record(id, 1).unwrap();
+        assert_eq!(first.killed_by, Some(KilledBy::LeaderGone));
+        // The key goes at most a TTL after the kill, and the restart waits a further TTL plus
+        // margin after the leader saw it go: at least TTL + margin after the first execution.
+        let second = c.exit_record(id, 2).unwrap();
+        let gap = Duration::from_nanos(second.started_boottime_ns - first.ended_boottime_ns);
+        assert!(
+            gap >= c.ttl + Duration::from_millis(500),
+            "{id} restarted {gap:?} after the first execution ended"
         );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_paused_leaders_guard_kills_the_job_before_the_next_leader_starts_it() {
-    let c = Cluster::start(opts(&[]));
-    let (k, old) = c.leader_index().await;
+async fn a_paused_workers_guard_kills_the_job_before_it_runs_elsewhere_and_the_worker_returns_anew()
+{
+    let mut c = Cluster::start(on_workers(1, &[], &[]));
+    c.leader_index().await;
     c.submit(
         0,
         "long",
@@ -361,11 +395,12 @@ async fn a_paused_leaders_guard_kills_the_job_before_the_next_leader_starts_it()
         line_count(&c.job_dir("long").join("runs")) >= 1
     })
     .await;
-    c.replicas[k].pause();
-    let rest = c.others(k);
-    c.wait_new_leader(&rest, old.term).await;
-    let j = c.wait_job(&rest, "long", LONG, "finished", terminal).await;
-    c.replicas[k].resume();
+    c.add_worker(&[]);
+    c.wait_workers(&["w1", "w2"]).await;
+    let before = worker_rev(&c, "w1").await.unwrap();
+    c.workers[0].pause();
+    let all = c.all_indices();
+    let j = c.wait_job(&all, "long", LONG, "finished", terminal).await;
     assert_eq!(state(&j), JobState::Finished);
     let first = c
         .exit_record("long", 1)
@@ -378,14 +413,34 @@ async fn a_paused_leaders_guard_kills_the_job_before_the_next_leader_starts_it()
         first.ended_boottime_ns,
         second.started_boottime_ns
     );
-    c.checked_terms();
+    c.workers[0].resume();
+    wait_for(
+        "the paused worker to register as a new incarnation",
+        LONG,
+        || async { worker_rev(&c, "w1").await.filter(|r| *r > before) },
+    )
+    .await;
+    let runs = std::fs::read_to_string(c.job_dir("long").join("runs")).unwrap();
+    assert_eq!(runs.lines().count(), 2, "nothing ran again after SIGCONT");
+}
+
+/// The create revision of a worker's key (its incarnation).
+async fn worker_rev(c: &Cluster, id: &str) -> Option<i64> {
+    let mut client = etcd_client::Client::connect(c.etcd.endpoints(), None)
+        .await
+        .ok()?;
+    let resp = client
+        .get(format!("/baton/test/workers/{id}"), None)
+        .await
+        .ok()?;
+    resp.kvs().first().map(|kv| kv.create_revision())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_job_that_exited_before_the_leader_died_is_recorded_from_its_exit_file() {
+async fn a_job_that_exited_while_the_leader_was_frozen_is_recorded_once_by_the_next() {
     let mut c = Cluster::start(Options {
         ttl: Duration::from_secs(5),
-        ..opts(&[])
+        ..on_workers(1, &[], &[])
     });
     let (k, old) = c.leader_index().await;
     c.submit(
@@ -398,7 +453,8 @@ async fn a_job_that_exited_before_the_leader_died_is_recorded_from_its_exit_file
         line_count(&c.job_dir("quick").join("runs")) >= 1
     })
     .await;
-    // The leader freezes: the job ends under its guard, but nobody records the result.
+    // The leader freezes: the job ends on its worker, which reports it, but nobody records
+    // the result.
     c.replicas[k].pause();
     wait_until("the guard to write the exit record", LONG, || {
         c.exit_record("quick", 1).is_some()
@@ -409,7 +465,7 @@ async fn a_job_that_exited_before_the_leader_died_is_recorded_from_its_exit_file
     c.wait_new_leader(&rest, old.term).await;
     let j = c.wait_job(&rest, "quick", LONG, "terminal", terminal).await;
     // max_attempts defaults to 3, so exit 4 counts as a failed attempt and is retried; but the
-    // first attempt's outcome is taken from its record, not re-run as a recovery.
+    // first attempt's outcome is taken from its worker's report, not re-run as a recovery.
     assert_eq!(j.recoveries, 0, "{j:?}");
     assert_eq!(c.exit_record("quick", 1).unwrap().exit_code, Some(4));
     assert!(c.exit_record("quick", 1).unwrap().killed_by.is_none());
@@ -598,40 +654,10 @@ async fn bad_input_is_refused_with_the_field_named_and_corrupt_values_block_noth
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_with_another_storage_folder_refuses_to_start() {
-    let c = Cluster::start(Options {
-        replicas: 1,
-        ..Options::default()
-    });
-    c.leader_index().await;
-    let other = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(BIN)
-        .args([
-            "serve",
-            "--replica-id",
-            "stray",
-            "--cluster",
-            "test",
-            "--listen",
-            "127.0.0.1:0",
-        ])
-        .args(["--etcd-endpoints", &c.etcd.endpoints().join(",")])
-        .arg("--storage-dir")
-        .arg(other.path())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        err.contains("is not this cluster's shared storage folder"),
-        "{err}"
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeouts_fail_attempts_and_queued_jobs_start_in_submission_order() {
-    let c = Cluster::start(opts(&["--max-running", "1"]));
+    let c = Cluster::start(on_workers(1, &["--max-running", "1"], &[]));
     c.leader_index().await;
+    c.wait_workers(&["w1"]).await;
     let mut slow = sh("sleep 30");
     slow.max_attempts = 1;
     slow.timeout = Some(prost_types::Duration {
@@ -657,8 +683,8 @@ async fn timeouts_fail_attempts_and_queued_jobs_start_in_submission_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_recoveries_stops_a_job_from_crash_looping_the_cluster() {
-    let mut c = Cluster::start(opts(&["--max-recoveries", "0"]));
-    let (k, old) = c.leader_index().await;
+    let mut c = Cluster::start(on_workers(1, &[], &["--max-recoveries", "0"]));
+    c.leader_index().await;
     c.submit(
         0,
         "fragile",
@@ -669,11 +695,12 @@ async fn max_recoveries_stops_a_job_from_crash_looping_the_cluster() {
         line_count(&c.job_dir("fragile").join("runs")) >= 1
     })
     .await;
-    c.replicas[k].sigkill();
-    let rest = c.others(k);
-    c.wait_new_leader(&rest, old.term).await;
+    c.add_worker(&[]);
+    c.wait_workers(&["w1", "w2"]).await;
+    c.workers[0].sigkill();
+    let all = c.all_indices();
     let j = c
-        .wait_job(&rest, "fragile", LONG, "terminal", terminal)
+        .wait_job(&all, "fragile", LONG, "terminal", terminal)
         .await;
     assert_eq!(state(&j), JobState::Failed);
     assert!(j.error.contains("--max-recoveries 0"), "{}", j.error);

@@ -1,5 +1,5 @@
 //! `baton.v1.JobService`: submission, reads, cancel, watch and logs, served by every replica
-//! straight from etcd (and the shared storage folder for logs).
+//! straight from etcd (and this host's job folders for logs).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -10,7 +10,6 @@ use etcd_client::WatchOptions;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::coordinator::storage;
 use crate::exec::record;
 use crate::jobs::records::{self, JobResult, RegistryEntry, RegistryStatus};
 use crate::jobs::spec::{self, JobSpec};
@@ -116,13 +115,43 @@ fn from_registry(job: &mut proto::Job, e: &RegistryEntry) {
     }
 }
 
+impl JobApi {
+    /// Why no worker takes a due PENDING job, when the workers' keys tell: none is live, or
+    /// every live one is draining.
+    async fn fleet_reason(&self) -> Option<String> {
+        let mut c = self.store.client();
+        let get = c.get(
+            self.keys.workers(),
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        );
+        let resp = self.store.timed("list workers", get).await.ok()?;
+        let open = resp.kvs().iter().any(|kv| {
+            codec::decode::<crate::jobs::work::WorkerRecord>(
+                kv.key(),
+                kv.value(),
+                crate::jobs::work::WORKER_VERSION,
+            )
+            .is_ok_and(|w| !w.draining)
+        });
+        match (resp.kvs().is_empty(), open) {
+            (true, _) => Some("no live worker: the job starts when a worker registers".into()),
+            (false, false) => {
+                Some("every live worker is draining: the job starts when one takes jobs".into())
+            }
+            _ => None,
+        }
+    }
+}
+
 /// Why a PENDING entry has not started, as far as the entry itself tells.
 fn waiting_reason(e: &RegistryEntry, now_ms: u64) -> String {
     if e.not_before_ms > now_ms {
         let secs = (e.not_before_ms - now_ms).div_ceil(1000);
         return format!("retry backoff: next attempt in {secs}s");
     }
-    "queued: jobs start in submission order within --max-running and --max-starts-per-second".into()
+    "queued: jobs start in submission order, within the workers' free slots (--max-running \
+     each) and --max-starts-per-second"
+        .into()
 }
 
 /// The user's view of a job snapshot.
@@ -216,7 +245,14 @@ impl JobService for JobApi {
         if !snap.exists() {
             return Err(jobs::Error::NotFound(id).into());
         }
-        Ok(Response::new(job_view(&snap)))
+        let mut job = job_view(&snap);
+        if job.state == proto::JobState::Pending as i32 && job.waiting_reason.starts_with("queued")
+        {
+            if let Some(reason) = self.fleet_reason().await {
+                job.waiting_reason = reason;
+            }
+        }
+        Ok(Response::new(job))
     }
 
     async fn list_jobs(
@@ -276,10 +312,10 @@ impl JobService for JobApi {
                     ..Default::default()
                 };
                 if *prefix == self.keys.registry() {
-                    let Ok(e) = codec::decode::<RegistryEntry>(
+                    let Ok(e) = codec::decode_any::<RegistryEntry>(
                         kv.key(),
                         kv.value(),
-                        crate::jobs::records::REGISTRY_VERSION,
+                        crate::jobs::records::REGISTRY_VERSIONS_READ,
                     ) else {
                         continue;
                     };
@@ -398,7 +434,7 @@ impl JobService for JobApi {
             0 => 64 * 1024,
             n => n.min(4 * 1024 * 1024) as u64,
         };
-        let dir = storage::job_dir(&self.storage_dir, &req.job_id);
+        let dir = record::job_dir(&self.storage_dir, &req.job_id);
         let path = record::log_path(&dir, &format!("attempt-{attempt}"));
         let content = match read_tail(&path, tail) {
             Ok(c) => c,

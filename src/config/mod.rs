@@ -10,9 +10,11 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 mod drill;
 mod serve;
+mod worker;
 
 pub use drill::{DrillArgs, ALL_FAULTS};
 pub use serve::{validate_name, ConfigError, EtcdArgs, ServeArgs};
+pub use worker::{RunArgs, WorkerArgs};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -39,8 +41,10 @@ pub enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run one replica.
+    /// Run one replica (a coordinator, and by default an embedded worker).
     Serve(Box<ServeArgs>),
+    /// Run a worker: it runs the jobs the leader assigns to it, under a lease of its own.
+    Worker(Box<WorkerArgs>),
     /// Run a private etcd and N replicas on loopback, for trying Baton out.
     Dev(DevArgs),
     /// Inspect or move leadership.

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 
+use super::worker::RunArgs;
 use crate::store::EtcdConfig;
 
 #[derive(Debug, Clone, Args)]
@@ -63,20 +64,10 @@ pub struct ServeArgs {
     /// How long leader work may take to stop before the replica resigns anyway.
     #[arg(long, env = "BATON_SHUTDOWN_GRACE", value_parser = humantime::parse_duration, default_value = "10s")]
     pub shutdown_grace: Duration,
-    /// Per-job folders (logs, exit records, checkpoints). Must be the same folder for every
-    /// replica of the cluster: the same path on one host, a shared volume on Kubernetes.
-    #[arg(long, env = "BATON_STORAGE_DIR", default_value = "baton-storage")]
-    pub storage_dir: PathBuf,
-    /// Jobs running at once; the rest stay PENDING in submission order.
-    #[arg(long, env = "BATON_MAX_RUNNING", default_value_t = 64)]
-    pub max_running: usize,
     /// Job starts per second, at most (a burst of one second's worth); the rest wait PENDING
     /// in submission order, so thousands of starts cannot starve the lease's keepalives.
     #[arg(long, env = "BATON_MAX_STARTS_PER_SECOND", default_value_t = 50.0)]
     pub max_starts_per_second: f64,
-    /// Niceness of jobs and cleanup commands (0 to 19); Baton and the guards keep their own.
-    #[arg(long, env = "BATON_JOB_NICE", default_value_t = 10, value_parser = clap::value_parser!(i32).range(0..=19))]
-    pub job_nice: i32,
     /// Restarts after leader changes allowed per job, so a job that kills its host cannot
     /// crash-loop the cluster.
     #[arg(long, env = "BATON_MAX_RECOVERIES", default_value_t = 10)]
@@ -87,9 +78,6 @@ pub struct ServeArgs {
     /// Longest delay between retries.
     #[arg(long, env = "BATON_RETRY_MAX_DELAY", value_parser = humantime::parse_duration, default_value = "5m")]
     pub retry_max_delay: Duration,
-    /// After a cancel's SIGTERM, how long a job has before SIGKILL.
-    #[arg(long, env = "BATON_KILL_GRACE", value_parser = humantime::parse_duration, default_value = "10s")]
-    pub kill_grace: Duration,
     /// First delay before retrying a failed cleanup stage (exponential, with jitter).
     #[arg(long, env = "BATON_CLEANUP_INITIAL_DELAY", value_parser = humantime::parse_duration, default_value = "1s")]
     pub cleanup_initial_delay: Duration,
@@ -108,12 +96,12 @@ pub struct ServeArgs {
     /// How long clean results are kept (they answer GetJob and decide re-submissions).
     #[arg(long, env = "BATON_RESULT_RETENTION", value_parser = humantime::parse_duration, default_value = "7d")]
     pub result_retention: Duration,
-    /// Append every job and cleanup execution (start and end, from the guards) to this file.
-    #[arg(long, env = "BATON_EXECUTION_LEDGER")]
-    pub execution_ledger: Option<PathBuf>,
-    /// Negative control for drills: guards ignore lease deadlines. Breaks the no-overlap promise.
-    #[arg(long, hide = true)]
-    pub unsafe_ignore_guard_deadlines: bool,
+    /// Also run a worker in this process, with the replica's id, so one `baton serve` is a
+    /// whole system. With `false` this replica only coordinates.
+    #[arg(long, env = "BATON_WORKER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub worker: bool,
+    #[command(flatten)]
+    pub run: RunArgs,
     /// Test and drill hook: stop each cleanup after recording this stage.
     #[arg(long, env = "BATON_CLEANUP_PAUSE_AFTER_STAGE", hide = true)]
     pub cleanup_pause_after_stage: Option<u32>,
@@ -125,12 +113,7 @@ pub struct ConfigError(pub String);
 
 impl ServeArgs {
     pub fn replica_id(&self) -> String {
-        self.replica_id.clone().unwrap_or_else(|| {
-            nix::unistd::gethostname()
-                .ok()
-                .and_then(|h| h.into_string().ok())
-                .unwrap_or_else(|| "replica".into())
-        })
+        self.replica_id.clone().unwrap_or_else(host_name)
     }
 
     pub fn advertise(&self) -> String {
@@ -146,37 +129,19 @@ impl ServeArgs {
 
     /// Rejects impossible settings with a sentence a human can act on.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let ttl = self.lease_ttl;
-        if ttl < Duration::from_secs(2) {
-            return Err(ConfigError(format!(
-                "--lease-ttl {} is below etcd's 2s minimum lease TTL (etcd would silently raise it); use 2s or more",
-                humantime::format_duration(ttl)
-            )));
-        }
-        if ttl.subsec_nanos() != 0 {
-            return Err(ConfigError(format!(
-                "--lease-ttl {} is not a whole number of seconds; etcd leases have second granularity",
-                humantime::format_duration(ttl)
-            )));
-        }
-        let margin = self.margin();
-        if margin.is_zero() || margin >= ttl / 2 {
-            return Err(ConfigError(format!(
-                "--step-down-margin {} must be above 0 and below half the lease TTL ({}), or the leader would step down between keepalives",
-                humantime::format_duration(margin),
-                humantime::format_duration(ttl / 2)
-            )));
-        }
+        validate_lease("--lease-ttl", self.lease_ttl, self.margin())?;
         validate_name("--cluster", &self.cluster)?;
         validate_name("--replica-id", &self.replica_id())?;
-        if self.max_running == 0 {
-            return Err(ConfigError("--max-running must be at least 1".into()));
-        }
+        self.run.validate()?;
         if !(self.max_starts_per_second.is_finite() && self.max_starts_per_second > 0.0) {
             return Err(ConfigError(
                 "--max-starts-per-second must be a number above 0".into(),
             ));
         }
+        self.validate_rest()
+    }
+
+    fn validate_rest(&self) -> Result<(), ConfigError> {
         if self.retry_initial_delay.is_zero() || self.retry_initial_delay > self.retry_max_delay {
             return Err(ConfigError(
                 "--retry-initial-delay must be above 0 and at most --retry-max-delay".into(),
@@ -199,6 +164,38 @@ impl ServeArgs {
         }
         Ok(())
     }
+}
+
+/// The host name, or `replica` when it cannot be read.
+pub fn host_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "replica".into())
+}
+
+/// A lease TTL etcd honours as given, and a margin that leaves keepalives room.
+pub fn validate_lease(flag: &str, ttl: Duration, margin: Duration) -> Result<(), ConfigError> {
+    if ttl < Duration::from_secs(2) {
+        return Err(ConfigError(format!(
+            "{flag} {} is below etcd's 2s minimum lease TTL (etcd would silently raise it); use 2s or more",
+            humantime::format_duration(ttl)
+        )));
+    }
+    if ttl.subsec_nanos() != 0 {
+        return Err(ConfigError(format!(
+            "{flag} {} is not a whole number of seconds; etcd leases have second granularity",
+            humantime::format_duration(ttl)
+        )));
+    }
+    if margin.is_zero() || margin >= ttl / 2 {
+        return Err(ConfigError(format!(
+            "--step-down-margin {} must be above 0 and below half the lease TTL ({}), or the leader would step down between keepalives",
+            humantime::format_duration(margin),
+            humantime::format_duration(ttl / 2)
+        )));
+    }
+    Ok(())
 }
 
 /// Names that go into etcd keys and file names: `[A-Za-z0-9._-]`, 1 to 128 characters.

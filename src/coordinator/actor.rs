@@ -1,29 +1,29 @@
-//! The job actor of one term: it owns every decision about which job runs, while etcd reads
-//! and fenced writes run as per-job transitions (at most one in flight per job) whose outcome
-//! comes back to it. It keeps at most `--max-running` jobs running and starts them within the
-//! start budget, in submission order.
+//! The job actor of one term: it owns every decision about which job goes to which worker,
+//! while etcd reads and fenced writes run as per-job transitions (at most one in flight per
+//! job) whose outcome comes back to it. It assigns within the workers' free slots (the most
+//! free first, as counted in its own table until an attempt's end is consumed) and the start
+//! budget, in submission order.
+//!
+//! The actor runs no process: a term that ends stops nothing. The workers keep running what
+//! they were given; the next term adopts it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use etcd_client::WatchOptions;
-use tokio::sync::mpsc;
+use etcd_client::{EventType, WatchOptions};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
-use super::transition::{transition, Local, Outcome};
+use super::fleet::{Fleet, Pick, WorkerView};
+use super::transition::{transition, Outcome};
 use super::{cleanup, recovery, Ctx, Writer};
 use crate::election::Term;
-use crate::exec::spawner::Guard;
 use crate::jobs::records;
-use crate::store::Keys;
+use crate::jobs::work::{WorkerRecord, WORKER_VERSION};
+use crate::store::{codec, Keys};
 
-enum Event {
-    Exited { id: String, attempt: u32 },
-}
-
-/// Leads one term: recovery, then the watch, until the term ends; then every guard is abandoned.
+/// Leads one term: recovery, then the watches, until the term ends.
 pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
     let writer = Writer::start(&term);
     term.tracker()
@@ -31,19 +31,18 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
     let mut actor = Actor {
         ctx: ctx.clone(),
         writer,
-        running: HashMap::new(),
+        fleet: Arc::new(Mutex::new(Fleet::new())),
+        assigned: HashMap::new(),
+        used: HashMap::new(),
         inflight: HashSet::new(),
         recheck: HashSet::new(),
         waiting: BTreeSet::new(),
         timers: BTreeMap::new(),
-        reserved: 0,
         tasks: JoinSet::new(),
         task_jobs: HashMap::new(),
-        exits: HashMap::new(),
     };
-    let (events_tx, mut events) = mpsc::unbounded_channel();
     'resync: loop {
-        let (rev, ids, dirty) = tokio::select! {
+        let (rev, ids, dirty, workers) = tokio::select! {
             r = recovery::recover(&ctx, &term) => r,
             _ = term.ended() => break 'resync,
         };
@@ -51,8 +50,10 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
             revision = rev,
             jobs = ids.len(),
             dirty = dirty,
+            workers = workers.len(),
             "recovered registry"
         );
+        actor.fleet.lock().expect("fleet lock").reset(workers);
         for id in ids {
             actor.reconcile(id);
         }
@@ -78,10 +79,19 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
                 continue;
             }
         };
-        if let Err(e) = stream.watch(ctx.keys.cancel(), Some(opts())).await {
-            tracing::warn!(error = %e, "cannot watch cancel requests; resyncing");
+        let mut more = true;
+        for prefix in [ctx.keys.cancel(), ctx.keys.attempts(), ctx.keys.workers()] {
+            if let Err(e) = stream.watch(prefix, Some(opts())).await {
+                tracing::warn!(error = %e, "cannot watch; resyncing");
+                more = false;
+                break;
+            }
+        }
+        if !more {
             continue;
         }
+        // Slots also free up without an event (a distrusted worker's time runs out).
+        let mut sweep = tokio::time::interval(Duration::from_secs(1));
         loop {
             let next_timer = actor.timers.keys().next().copied();
             let sleep = records::sleep_until_ms(next_timer);
@@ -97,11 +107,7 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
                         }
                         for ev in resp.events() {
                             let Some(kv) = ev.kv() else { continue };
-                            let id = Keys::id_in(&ctx.keys.registry(), kv.key())
-                                .or_else(|| Keys::id_in(&ctx.keys.cancel(), kv.key()));
-                            if let Some(id) = id {
-                                actor.reconcile(id.to_string());
-                            }
+                            actor.event(ev.event_type(), kv);
                         }
                     }
                     Ok(None) | Err(_) => {
@@ -109,115 +115,165 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
                         continue 'resync;
                     }
                 },
-                Some(ev) = events.recv() => match ev {
-                    Event::Exited { id, attempt } => actor.exited(id, attempt),
-                },
                 Some(done) = actor.tasks.join_next_with_id() => {
-                    let (task, (id, slot, outcome)) = match done {
+                    let (task, (id, pick, outcome)) = match done {
                         Ok((task, out)) => (task, out),
                         Err(e) => {
                             // A transition that panicked: free its job and slot, look again later.
-                            let Some((id, slot)) = actor.task_jobs.get(&e.id()).cloned() else { continue };
+                            let Some((id, pick)) = actor.task_jobs.get(&e.id()).cloned() else { continue };
                             tracing::error!(job_id = %id, error = %e, "job transition failed");
-                            (e.id(), (id, slot, Outcome::Retry))
+                            (e.id(), (id, pick, Outcome::Retry))
                         }
                     };
                     actor.task_jobs.remove(&task);
-                    actor.settle(id, slot, outcome, &events_tx);
+                    actor.settle(id, pick, outcome);
                 }
                 _ = sleep => actor.fire_timers(),
+                _ = sweep.tick() => actor.fill_slots(),
                 _ = sleep_until_opt(budget), if budget.is_some() => actor.fill_slots(),
             }
         }
     }
-    actor.abandon_all().await;
+    actor.tasks.abort_all();
+    while actor.tasks.join_next().await.is_some() {}
 }
+
+type Incarnation = (String, i64);
 
 struct Actor {
     ctx: Arc<Ctx>,
     writer: Writer,
-    running: HashMap<String, Local>,
+    fleet: Arc<Mutex<Fleet>>,
+    /// RUNNING jobs and the worker incarnation each runs on, until their end is consumed.
+    assigned: HashMap<String, Incarnation>,
+    /// Slots taken per worker incarnation: assigned jobs plus reservations in flight.
+    used: HashMap<Incarnation, usize>,
     inflight: HashSet<String>,
     recheck: HashSet<String>,
     /// PENDING jobs waiting for a slot or the start budget, in submission (incarnation) order.
     waiting: BTreeSet<(i64, String)>,
     timers: BTreeMap<u64, HashSet<String>>,
-    reserved: usize,
-    tasks: JoinSet<(String, bool, Outcome)>,
-    /// Which job (and whether it holds a slot) each transition task is for.
-    task_jobs: HashMap<tokio::task::Id, (String, bool)>,
-    /// Exits that arrived while a transition for the job was in flight.
-    exits: HashMap<String, Local>,
+    tasks: JoinSet<(String, Option<Pick>, Outcome)>,
+    /// Which job (and which reserved slot) each transition task is for.
+    task_jobs: HashMap<tokio::task::Id, (String, Option<Pick>)>,
 }
 
 impl Actor {
-    fn free_slots(&self) -> usize {
-        self.ctx
-            .config
-            .max_running
-            .saturating_sub(self.running.len() + self.reserved)
+    fn event(&mut self, kind: EventType, kv: &etcd_client::KeyValue) {
+        let keys = &self.ctx.keys;
+        if let Some(wid) = Keys::id_in(&keys.workers(), kv.key()) {
+            let wid = wid.to_string();
+            let went = match kind {
+                EventType::Put => {
+                    let Ok(record) =
+                        codec::decode::<WorkerRecord>(kv.key(), kv.value(), WORKER_VERSION)
+                    else {
+                        return;
+                    };
+                    let view = WorkerView {
+                        rev: kv.create_revision(),
+                        mod_rev: kv.mod_revision(),
+                        record,
+                    };
+                    self.fleet.lock().expect("fleet lock").put(view)
+                }
+                EventType::Delete => self.fleet.lock().expect("fleet lock").delete(&wid),
+            };
+            if let Some(rev) = went {
+                tracing::info!(worker = %wid, incarnation = rev, "worker gone");
+                let jobs: Vec<String> = self
+                    .assigned
+                    .iter()
+                    .filter(|(_, inc)| inc.0 == wid && inc.1 == rev)
+                    .map(|(j, _)| j.clone())
+                    .collect();
+                for j in jobs {
+                    self.reconcile(j);
+                }
+            }
+            self.fill_slots();
+            return;
+        }
+        let id = Keys::id_in(&keys.registry(), kv.key())
+            .or_else(|| Keys::id_in(&keys.cancel(), kv.key()))
+            .or_else(|| {
+                Keys::id_in(&keys.attempts(), kv.key()).and_then(|rest| rest.split('/').next())
+            });
+        if let Some(id) = id {
+            self.reconcile(id.to_string());
+        }
     }
 
     /// Re-examines job `id` from its current state in etcd.
     fn reconcile(&mut self, id: String) {
-        self.reconcile_with(id, None, false);
+        self.reconcile_with(id, false);
     }
 
     /// `queued`: the job comes off the waiting set, whose order decides who starts next; any
     /// other job may take a slot only while nobody waits, or it would overtake them.
-    fn reconcile_with(&mut self, id: String, exited: Option<Local>, queued: bool) {
+    fn reconcile_with(&mut self, id: String, queued: bool) {
         if self.inflight.contains(&id) {
-            match exited {
-                Some(view) => {
-                    self.exits.insert(id, view);
-                }
-                None => {
-                    self.recheck.insert(id);
-                }
-            }
+            self.recheck.insert(id);
             return;
         }
-        let local = self.running.get(&id).cloned();
-        let slot = local.is_none()
-            && exited.is_none()
-            && (queued || self.waiting.is_empty())
-            && self.free_slots() > 0
-            && self.ctx.starts().try_take(Instant::now());
-        if slot {
-            self.reserved += 1;
+        let mut pick = None;
+        if !self.assigned.contains_key(&id) && (queued || self.waiting.is_empty()) {
+            let candidate = self.fleet.lock().expect("fleet lock").pick(&self.used);
+            if let Some(p) = candidate {
+                if self.ctx.starts().try_take(Instant::now()) {
+                    *self.used.entry((p.id.clone(), p.rev)).or_default() += 1;
+                    pick = Some(p);
+                }
+            }
         }
         self.inflight.insert(id.clone());
         let ctx = self.ctx.clone();
         let writer = self.writer.clone();
+        let fleet = self.fleet.clone();
         let job = id.clone();
-        let handle = self.tasks.spawn(async move {
-            let outcome = transition(&ctx, &writer, &job, local, exited, slot).await;
-            (job, slot, outcome)
-        });
-        self.task_jobs.insert(handle.id(), (id, slot));
+        let p = pick.clone();
+        let handle = self.tasks.spawn(
+            async move {
+                let outcome = transition(&ctx, &writer, &fleet, &job, p.clone()).await;
+                (job, p, outcome)
+            }
+            .in_current_span(),
+        );
+        self.task_jobs.insert(handle.id(), (id, pick));
     }
 
-    fn settle(
-        &mut self,
-        id: String,
-        slot: bool,
-        outcome: Outcome,
-        events: &mpsc::UnboundedSender<Event>,
-    ) {
+    fn release(&mut self, inc: &Incarnation) {
+        if let Some(n) = self.used.get_mut(inc) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.used.remove(inc);
+            }
+        }
+    }
+
+    fn settle(&mut self, id: String, pick: Option<Pick>, outcome: Outcome) {
         self.inflight.remove(&id);
-        if slot {
-            self.reserved -= 1;
-            if !matches!(outcome, Outcome::Started(..)) {
+        if let Some(p) = &pick {
+            self.release(&(p.id.clone(), p.rev));
+            if !matches!(outcome, Outcome::Running { .. }) {
                 self.ctx.starts().give_back();
             }
         }
+        let previous = match &outcome {
+            Outcome::Retry => None,
+            Outcome::Running { worker, rev, .. } => {
+                let inc = (worker.clone(), *rev);
+                let prev = self.assigned.insert(id.clone(), inc.clone());
+                *self.used.entry(inc).or_default() += 1;
+                prev
+            }
+            _ => self.assigned.remove(&id),
+        };
+        if let Some(prev) = previous {
+            self.release(&prev);
+        }
         match outcome {
             Outcome::Idle => {}
-            Outcome::CancelSent => {
-                if let Some(l) = self.running.get_mut(&id) {
-                    l.cancel_sent = true;
-                }
-            }
             Outcome::NeedSlot(incarnation) => {
                 self.waiting.insert((incarnation, id.clone()));
             }
@@ -230,39 +286,15 @@ impl Actor {
                     .or_default()
                     .insert(id.clone());
             }
-            Outcome::Started(local, guard) => {
-                let attempt = local.attempt;
-                self.running.insert(id.clone(), *local);
-                let events = events.clone();
-                let job = id.clone();
-                // Each guard has its own feeder: renewals reach it even while the actor is busy
-                // resyncing, and the first one cannot fall between spawn and registration.
-                let mut deadlines = self.writer.term().deadlines();
-                tokio::spawn(async move {
-                    let Guard {
-                        feed, mut exited, ..
-                    } = guard;
-                    feed.deadline(*deadlines.borrow_and_update());
-                    loop {
-                        tokio::select! {
-                            _ = &mut exited => break,
-                            changed = deadlines.changed() => match changed {
-                                Ok(()) => feed.deadline(*deadlines.borrow_and_update()),
-                                Err(_) => {
-                                    let _ = (&mut exited).await;
-                                    break;
-                                }
-                            },
-                        }
-                    }
-                    let _ = events.send(Event::Exited { id: job, attempt });
-                });
+            Outcome::Running { recheck, .. } => {
+                if let Some(at) = recheck {
+                    let wait = at.saturating_duration_since(Instant::now());
+                    let ms = records::now_ms() + wait.as_millis() as u64 + 1;
+                    self.timers.entry(ms).or_default().insert(id.clone());
+                }
             }
         }
-        if let Some(view) = self.exits.remove(&id) {
-            self.recheck.remove(&id);
-            self.reconcile_with(id, Some(view), false);
-        } else if self.recheck.remove(&id) {
+        if self.recheck.remove(&id) {
             self.reconcile(id);
         }
         self.fill_slots();
@@ -270,31 +302,30 @@ impl Actor {
 
     /// When the start budget next allows a waiting job to start, if one waits for it alone.
     fn budget_wakeup(&mut self) -> Option<Instant> {
-        (self.free_slots() > 0 && !self.waiting.is_empty())
+        (self.has_free_slot() && !self.waiting.is_empty())
             .then(|| self.ctx.starts().next_at(Instant::now()))
     }
 
+    fn has_free_slot(&self) -> bool {
+        self.fleet
+            .lock()
+            .expect("fleet lock")
+            .pick(&self.used)
+            .is_some()
+    }
+
     fn fill_slots(&mut self) {
-        while self.free_slots() > 0 && self.ctx.starts().next_at(Instant::now()) <= Instant::now() {
+        while !self.waiting.is_empty()
+            && self.has_free_slot()
+            && self.ctx.starts().next_at(Instant::now()) <= Instant::now()
+        {
             let Some(first) = self.waiting.pop_first() else {
                 break;
             };
-            if !self.running.contains_key(&first.1) {
-                self.reconcile_with(first.1, None, true);
+            if !self.assigned.contains_key(&first.1) {
+                self.reconcile_with(first.1, true);
             }
         }
-    }
-
-    fn exited(&mut self, id: String, attempt: u32) {
-        let Some(l) = self.running.remove(&id) else {
-            return;
-        };
-        if l.attempt != attempt {
-            self.running.insert(id, l);
-            return;
-        }
-        self.reconcile_with(id, Some(l), false);
-        self.fill_slots();
     }
 
     fn fire_timers(&mut self) {
@@ -304,33 +335,6 @@ impl Actor {
             for id in self.timers.remove(&at).unwrap_or_default() {
                 self.reconcile(id);
             }
-        }
-    }
-
-    /// The term is over: kill every job at once, wait (bounded) until the guards are gone.
-    async fn abandon_all(&mut self) {
-        for l in self.running.values() {
-            l.feed.abandon();
-        }
-        self.tasks.abort_all();
-        // A transition may have spawned a guard just before the abort took effect.
-        let mut late = Vec::new();
-        while let Some(done) = self.tasks.join_next().await {
-            if let Ok((_, _, Outcome::Started(_, g))) = done {
-                g.feed.abandon();
-                late.push(g.feed);
-            }
-        }
-        let n = self.running.len();
-        if n > 0 {
-            tracing::info!(jobs = n, "term over: killed all running jobs");
-        }
-        // The guards exit within milliseconds of SIGHUP; their pipes are already closed.
-        let mut feeds: Vec<_> = self.running.values().map(|l| l.feed.clone()).collect();
-        feeds.extend(late);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while feeds.iter().any(|f| f.is_running()) && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 }

@@ -22,7 +22,7 @@ use etcd_client::{Compare, CompareOp, TxnOp, WatchOptions};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use super::{proven, storage, CleanupConfig, Ctx, Writer};
+use super::{proven, CleanupConfig, Ctx, Writer};
 use crate::exec::record::{self, KilledBy};
 use crate::exec::spawner::{self, Launch};
 use crate::jobs::records::{self, JobResult, TerminalStatus};
@@ -290,7 +290,7 @@ async fn stage_command(
     }
     let cfg = &ctx.config;
     let attempt = result.cleanup.attempts + 1;
-    let dir = storage::job_dir(&cfg.storage_dir, &snap.id);
+    let dir = record::job_dir(&cfg.storage_dir, &snap.id);
     std::fs::create_dir_all(&dir)
         .map_err(|e| StageError::Failed(format!("cannot create {}: {e}", dir.display())))?;
     let mut env = record.spec.env.clone();
@@ -307,6 +307,7 @@ async fn stage_command(
         term: term.revision(),
         dir: dir.clone(),
         name: name.clone(),
+        go_within: std::time::Duration::from_secs(5),
         command: cmd.clone(),
         env,
         timeout: cfg.cleanup.timeout,
@@ -359,7 +360,7 @@ async fn stage_command(
 
 /// Stage 2: the job's folder. Idempotent: a missing folder is success.
 fn stage_folder(ctx: &Ctx, id: &str) -> Result<(), StageError> {
-    let dir = storage::job_dir(&ctx.config.storage_dir, id);
+    let dir = record::job_dir(&ctx.config.storage_dir, id);
     match std::fs::remove_dir_all(&dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

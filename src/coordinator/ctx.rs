@@ -13,14 +13,14 @@ use crate::store::{Keys, Store};
 #[derive(Clone, Debug)]
 pub struct CoordinatorConfig {
     pub replica_id: String,
+    /// Where cleanup commands run, and job folders the folder stage removes, on this host.
     pub storage_dir: PathBuf,
-    /// How jobs and cleanup commands run (binary, margin, kill grace, nice, ledger).
+    /// How cleanup commands run (binary, margin, kill grace, nice, ledger).
     pub guard: GuardSettings,
-    pub max_running: usize,
     pub max_recoveries: u32,
     pub retry_initial: Duration,
     pub retry_max: Duration,
-    /// Starts of jobs per second, at most (a burst of one second's worth).
+    /// Assignments and cleanup starts per second, at most (a burst of one second's worth).
     pub max_starts_per_second: f64,
     pub cleanup: CleanupConfig,
 }

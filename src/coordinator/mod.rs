@@ -2,22 +2,23 @@
 //!
 //! [`run`] follows the role channel and, for every term this replica wins, starts the job actor
 //! ([`actor`]) and the cleaner ([`cleanup`]), both tracked by the term so that a handover waits
-//! for them. When the term ends, every guard is abandoned at once (its job's process group is
-//! killed) and nothing more is written. The pieces:
-//! - [`actor`]: the one decision maker of a term (slots, start budget, timers, exits);
+//! for them. Jobs run on workers, which the coordinator reaches only through etcd keys: when a
+//! term ends, nothing is stopped, and the next term adopts what runs. The pieces:
+//! - [`actor`]: the one decision maker of a term (worker slots, start budget, timers);
+//! - [`fleet`]: the term's view of the workers (alive, gone since when);
 //! - [`transition`]: one job's step, read from etcd and written fenced;
 //! - [`recovery`]: the pinned, paged read a new term starts from;
 //! - [`cleanup`]: dirty results made clean, stage by stage;
-//! - [`writer`]: the one fenced writer of a term; [`storage`]: the per-job folders.
+//! - [`writer`]: the one fenced writer of a term.
 //!
-//! Processes are started through [`crate::exec`], which knows nothing of leadership.
+//! Cleanup commands are started through [`crate::exec`], which knows nothing of leadership.
 
 mod actor;
 pub mod cleanup;
 mod ctx;
+mod fleet;
 mod recovery;
 mod starts;
-pub mod storage;
 mod transition;
 mod writer;
 

@@ -1,44 +1,44 @@
-//! One step for one job, decided from its current state in etcd: start it, record how its
-//! attempt ended, retry it after a backoff, or cancel it. Guarantees:
-//! - A job is started only by a fenced write PENDING→RUNNING that also compares the job's
-//!   incarnation, its registry entry's revision and the absence of a cancel request.
+//! One step for one job, decided from its current state in etcd and the leader's view of the
+//! workers: assign it, adopt it, record how its attempt ended, reschedule it, or cancel it.
+//! Guarantees:
+//! - A job is assigned only by a fenced write PENDING→RUNNING that also compares the job's
+//!   incarnation, its registry entry's revision, the absence of a cancel request, and the
+//!   chosen worker key's create and mod revisions; the same transaction writes the assignment.
+//! - A RUNNING entry is never rewritten while its attempt runs. Every write that ends an
+//!   attempt compares the attempt record it acted on (or its absence), so an `exited` and a
+//!   reschedule exclude each other, and deletes the assignment key.
+//! - An attempt with no end record is rescheduled only once its worker incarnation has been
+//!   gone for the worker's TTL plus margin (see [`super::fleet`]), or reclaimed when it has no
+//!   `started` record within the worker's `--assign-timeout`.
 //! - A terminal result is written with the registry delete in one fenced transaction.
-//! - Every side effect (spawn, signal) asks [`Term::check`] synchronously right before.
-//!
-//! [`Term::check`]: crate::election::Term::check
 
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
-use etcd_client::{Compare, CompareOp, TxnOp};
+use etcd_client::{Compare, CompareOp, DeleteOptions, TxnOp};
 
-use super::{proven, storage, CoordinatorConfig, Ctx, Writer};
+use super::fleet::{Fleet, Liveness, Pick};
+use super::{CoordinatorConfig, Ctx, Writer};
 use crate::election::{Commit, FenceError};
-use crate::exec::record::{self, ExitRecord, KilledBy};
-use crate::exec::spawner::{self, Guard, GuardFeed, Launch};
 use crate::jobs::records::{self, JobResult, RegistryEntry, RegistryStatus, TerminalStatus};
+use crate::jobs::work::{Assignment, AttemptRecord, AttemptState, ASSIGNMENT_VERSION};
 use crate::jobs::{self, Snapshot};
 use crate::store::codec;
 
-/// A job this term is running.
-#[derive(Clone)]
-pub(super) struct Local {
-    pub(super) attempt: u32,
-    pub(super) incarnation: i64,
-    pub(super) registry_rev: i64,
-    pub(super) feed: GuardFeed,
-    pub(super) cancel_sent: bool,
-}
-
 /// What a transition found or did.
 pub(super) enum Outcome {
+    /// Nothing runs for this job here (gone, terminal, or written back to PENDING).
     Idle,
-    /// PENDING and due, but no slot was reserved for it.
+    /// PENDING and due, but no worker slot was reserved for it.
     NeedSlot(i64),
     /// PENDING until this Unix ms.
     Later(u64),
-    Started(Box<Local>, Guard),
-    /// A running local job was asked to stop.
-    CancelSent,
+    /// RUNNING on this worker incarnation; look again at `recheck` if set.
+    Running {
+        worker: String,
+        rev: i64,
+        recheck: Option<Instant>,
+    },
     /// etcd failed; try again soon.
     Retry,
 }
@@ -48,14 +48,24 @@ fn retry_delay(cfg: &CoordinatorConfig, failed: u32) -> Duration {
     (cfg.retry_initial * factor).min(cfg.retry_max)
 }
 
+/// Why an attempt is given back without a result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Requeue {
+    /// Its worker was lost: a recovery (`BATON_RECOVERED=1`), counted.
+    Lost,
+    /// Its worker shut down: restarted, not counted.
+    Preempted,
+    /// Nothing ran (rejected, or reclaimed for want of a `started`): not an attempt.
+    Unstarted,
+}
+
 /// Decides and does one step for job `id`. See the module doc.
 pub(super) async fn transition(
     ctx: &Ctx,
     writer: &Writer,
+    fleet: &Mutex<Fleet>,
     id: &str,
-    local: Option<Local>,
-    exited: Option<Local>,
-    slot: bool,
+    pick: Option<Pick>,
 ) -> Outcome {
     let term = writer.term();
     if term.has_ended() {
@@ -88,80 +98,127 @@ pub(super) async fn transition(
         registry_rev,
         entry: entry.clone(),
         record: &record,
+        attempt: None,
     };
-
-    if let Some(done) = exited {
-        if done.incarnation != incarnation {
-            return Outcome::Idle;
-        }
-        if done.registry_rev != registry_rev {
-            // Someone else wrote the entry meanwhile: look again, as a job not running here.
-            return Outcome::Retry;
-        }
-        let dir = storage::job_dir(&ctx.config.storage_dir, id);
-        let rec = record::read_exit(&dir, &format!("attempt-{}", done.attempt));
-        return job.finish(done.attempt, rec).await;
-    }
-
-    if let Some(l) = local {
-        if snap.cancel.is_some() && !l.cancel_sent {
-            if term.check().is_ok() {
-                tracing::info!(
-                    job_id = id,
-                    attempt = l.attempt,
-                    "cancel requested: stopping the job"
-                );
-                l.feed.terminate();
-            }
-            return Outcome::CancelSent;
-        }
-        return Outcome::Idle;
-    }
+    let cancelled = snap.cancel.is_some();
 
     match entry.status {
-        RegistryStatus::Pending if snap.cancel.is_some() => {
+        RegistryStatus::Pending if cancelled => {
             job.terminal(
                 TerminalStatus::Canceled,
+                None,
                 None,
                 Some("cancelled before it ran".into()),
             )
             .await
         }
-        RegistryStatus::Running => {
-            // Started by an earlier leader (or by this term, which lost track of it).
-            let dir = storage::job_dir(&ctx.config.storage_dir, id);
-            let rec = record::read_exit(&dir, &format!("attempt-{}", entry.attempt));
-            match rec {
-                Some(r)
-                    if matches!(r.killed_by, None | Some(KilledBy::Timeout))
-                        || snap.cancel.is_some() =>
-                {
-                    tracing::info!(
-                        job_id = id,
-                        attempt = entry.attempt,
-                        "recording the exit its guard left"
-                    );
-                    job.finish(entry.attempt, Some(r)).await
-                }
-                _ if snap.cancel.is_some() => {
-                    job.terminal(
-                        TerminalStatus::Canceled,
-                        None,
-                        Some("cancelled; the leader running it went away".into()),
-                    )
-                    .await
-                }
-                _ if !slot => Outcome::NeedSlot(incarnation),
-                _ => job.start(true).await,
-            }
+        RegistryStatus::Pending if entry.not_before_ms > records::now_ms() => {
+            Outcome::Later(entry.not_before_ms)
         }
-        RegistryStatus::Pending => {
-            if entry.not_before_ms > records::now_ms() {
-                Outcome::Later(entry.not_before_ms)
-            } else if !slot {
-                Outcome::NeedSlot(incarnation)
-            } else {
-                job.start(false).await
+        RegistryStatus::Pending => match pick {
+            None => Outcome::NeedSlot(incarnation),
+            Some(p) => job.assign(fleet, p).await,
+        },
+        RegistryStatus::Running => {
+            let Some(worker) = entry.worker.clone() else {
+                // A version 1 entry: an older leader ran it itself, and its term is over.
+                if cancelled {
+                    return job
+                        .terminal(
+                            TerminalStatus::Canceled,
+                            None,
+                            None,
+                            Some("cancelled; the leader running it went away".into()),
+                        )
+                        .await;
+                }
+                return job.requeue(Requeue::Lost).await;
+            };
+            let rec = snap.attempts.get(&registry_rev).cloned();
+            let job = JobCtx {
+                attempt: rec.as_ref().map(|(r, rev)| (r.clone(), *rev)),
+                ..job
+            };
+            let state = rec.as_ref().map(|(r, _)| r.state);
+            match state {
+                Some(AttemptState::Exited) => {
+                    let (r, _) = rec.expect("matched");
+                    job.finish(&r).await
+                }
+                Some(
+                    s @ (AttemptState::Lost | AttemptState::Preempted | AttemptState::Rejected),
+                ) if cancelled => {
+                    let why = if s == AttemptState::Rejected {
+                        "cancelled before it ran"
+                    } else {
+                        "cancelled; its worker went away"
+                    };
+                    job.terminal(TerminalStatus::Canceled, None, None, Some(why.into()))
+                        .await
+                }
+                Some(AttemptState::Lost) => job.requeue(Requeue::Lost).await,
+                Some(AttemptState::Preempted) => job.requeue(Requeue::Preempted).await,
+                Some(AttemptState::Rejected) => job.requeue(Requeue::Unstarted).await,
+                Some(AttemptState::Started) | None => {
+                    let started = state.is_some();
+                    let (liveness, accept_due) = {
+                        let mut f = fleet.lock().expect("fleet lock");
+                        if started {
+                            f.trust(&worker, entry.worker_rev);
+                        }
+                        (
+                            f.liveness(&worker, entry.worker_rev),
+                            f.accept_due(&worker, registry_rev),
+                        )
+                    };
+                    let now = Instant::now();
+                    match liveness {
+                        Liveness::Alive if started => Outcome::Running {
+                            worker,
+                            rev: entry.worker_rev,
+                            recheck: None,
+                        },
+                        Liveness::Alive if now < accept_due => Outcome::Running {
+                            worker,
+                            rev: entry.worker_rev,
+                            recheck: Some(accept_due),
+                        },
+                        Liveness::Alive => {
+                            tracing::warn!(job_id = id, worker = %worker, "no start within the assign timeout; taking the job back");
+                            fleet
+                                .lock()
+                                .expect("fleet lock")
+                                .distrust(&worker, entry.worker_rev);
+                            job.requeue(Requeue::Unstarted).await
+                        }
+                        Liveness::Gone(since) => {
+                            let due = since + Duration::from_millis(entry.worker_ttl_ms);
+                            if now < due {
+                                return Outcome::Running {
+                                    worker,
+                                    rev: entry.worker_rev,
+                                    recheck: Some(due),
+                                };
+                            }
+                            if cancelled {
+                                return job
+                                    .terminal(
+                                        TerminalStatus::Canceled,
+                                        None,
+                                        None,
+                                        Some("cancelled; its worker went away".into()),
+                                    )
+                                    .await;
+                            }
+                            if !started {
+                                tracing::info!(job_id = id, worker = %worker, "its worker went away before starting it");
+                                return job.requeue(Requeue::Unstarted).await;
+                            }
+                            tracing::warn!(job_id = id, worker = %worker, "its worker is gone; restarting the job elsewhere");
+                            job.requeue(Requeue::Lost).await
+                        }
+                    }
+                }
             }
         }
     }
@@ -175,6 +232,8 @@ struct JobCtx<'a> {
     registry_rev: i64,
     entry: RegistryEntry,
     record: &'a jobs::spec::JobRecord,
+    /// The current attempt's record and its mod revision, if any.
+    attempt: Option<(AttemptRecord, i64)>,
 }
 
 impl JobCtx<'_> {
@@ -190,6 +249,32 @@ impl JobCtx<'_> {
         ]
     }
 
+    /// The job, and the current attempt's record exactly as it was read (or its absence).
+    fn same_attempt(&self) -> Vec<Compare> {
+        let mut c = self.same_job();
+        if self.entry.status == RegistryStatus::Running && self.entry.worker.is_some() {
+            let key = self.ctx.keys.attempt(self.id(), self.registry_rev);
+            c.push(match &self.attempt {
+                Some((_, rev)) => Compare::mod_revision(key, CompareOp::Equal, *rev),
+                None => Compare::version(key, CompareOp::Equal, 0),
+            });
+        }
+        c
+    }
+
+    /// Deletes the current assignment's key, if there is one.
+    fn end_assignment(&self) -> Vec<TxnOp> {
+        match (&self.entry.worker, self.entry.status) {
+            (Some(w), RegistryStatus::Running) => vec![TxnOp::delete(
+                self.ctx
+                    .keys
+                    .assignment(w, self.entry.worker_rev, self.id()),
+                None,
+            )],
+            _ => Vec::new(),
+        }
+    }
+
     /// Fenced write; maps the outcome for the actor.
     async fn write(&self, compares: Vec<Compare>, ops: Vec<TxnOp>) -> Result<i64, Outcome> {
         match self.writer.commit(compares, ops).await {
@@ -203,163 +288,133 @@ impl JobCtx<'_> {
         }
     }
 
-    /// PENDING (or an interrupted RUNNING) → RUNNING, then spawn under a guard.
-    async fn start(&self, recovered: bool) -> Outcome {
-        let cfg = &self.ctx.config;
+    /// PENDING → RUNNING on worker `p`, with its assignment, in one transaction.
+    async fn assign(&self, fleet: &Mutex<Fleet>, p: Pick) -> Outcome {
         let term = self.writer.term();
         let mut entry = self.entry.clone();
+        entry.version = records::REGISTRY_VERSION;
         entry.attempt += 1;
-        if recovered {
-            entry.recoveries += 1;
-            if entry.recoveries > cfg.max_recoveries {
-                let msg = format!(
-                    "restarted {} times after leader changes (--max-recoveries {}); giving up",
-                    entry.recoveries - 1,
-                    cfg.max_recoveries
-                );
-                return self.terminal(TerminalStatus::Failed, None, Some(msg)).await;
-            }
-        }
         entry.status = RegistryStatus::Running;
         entry.term = term.revision();
         entry.not_before_ms = 0;
+        entry.worker = Some(p.id.clone());
+        entry.worker_rev = p.rev;
+        entry.worker_ttl_ms = p.ttl_ms;
+        entry.recovered_next = false;
         if entry.first_started_ms == 0 {
             entry.first_started_ms = records::now_ms();
         }
-        let k = self.ctx.keys.job(self.id());
-        let mut compares = self.same_job();
-        compares.push(Compare::version(k.cancel.clone(), CompareOp::Equal, 0));
-        let rev = match self
-            .write(
-                compares,
-                vec![TxnOp::put(k.registry, codec::encode(&entry), None)],
-            )
-            .await
-        {
-            Ok(rev) => rev,
-            Err(o) => return o,
-        };
-        let dir = storage::job_dir(&cfg.storage_dir, self.id());
-        if let Err(e) = std::fs::create_dir_all(&dir) {
-            tracing::error!(job_id = self.id(), error = %e, "cannot create the job folder");
-        }
-        let spec = &self.record.spec;
-        let mut env = spec.env.clone();
-        env.insert("BATON_JOB_ID".into(), self.id().into());
-        env.insert("BATON_ATTEMPT".into(), entry.attempt.to_string());
-        env.insert("BATON_JOB_DIR".into(), dir.display().to_string());
-        env.insert("BATON_TERM".into(), term.revision().to_string());
-        if recovered {
-            env.insert("BATON_RECOVERED".into(), "1".into());
-        }
-        let launch = Launch {
-            guard: cfg.guard.clone(),
+        let assignment = Assignment {
+            version: ASSIGNMENT_VERSION,
             job_id: self.id().into(),
             attempt: entry.attempt,
+            recovered: self.entry.recovered_next,
+            spec: self.record.spec.clone(),
             term: term.revision(),
-            dir,
-            name: format!("attempt-{}", entry.attempt),
-            command: spec.command.clone(),
-            env,
-            timeout: spec.timeout,
         };
-        // The last synchronous check before the side effect.
-        if term.check().is_err() {
-            return Outcome::Idle;
-        }
-        match spawner::spawn(launch, proven(term)).await {
-            Ok(g) => {
-                tracing::info!(
-                    job_id = self.id(),
-                    attempt = entry.attempt,
-                    recovered,
-                    guard = g.pid,
-                    "job started"
-                );
-                let local = Local {
-                    attempt: entry.attempt,
-                    incarnation: self.incarnation,
-                    registry_rev: rev,
-                    feed: g.feed.clone(),
-                    cancel_sent: false,
+        let k = self.ctx.keys.job(self.id());
+        let worker_key = self.ctx.keys.worker(&p.id);
+        let mut compares = self.same_job();
+        compares.extend([
+            Compare::version(k.cancel.clone(), CompareOp::Equal, 0),
+            Compare::create_revision(worker_key.clone(), CompareOp::Equal, p.rev),
+            Compare::mod_revision(worker_key, CompareOp::Equal, p.mod_rev),
+        ]);
+        let ops = vec![
+            TxnOp::put(k.registry, codec::encode(&entry), None),
+            TxnOp::put(
+                self.ctx.keys.assignment(&p.id, p.rev, self.id()),
+                codec::encode(&assignment),
+                None,
+            ),
+        ];
+        match self.write(compares, ops).await {
+            Ok(token) => {
+                let due = {
+                    let mut f = fleet.lock().expect("fleet lock");
+                    f.assigned(token);
+                    f.accept_due(&p.id, token)
                 };
-                Outcome::Started(Box::new(local), g)
+                tracing::info!(job_id = self.id(), attempt = entry.attempt, worker = %p.id, token, recovered = assignment.recovered, "job assigned");
+                Outcome::Running {
+                    worker: p.id,
+                    rev: p.rev,
+                    recheck: Some(due),
+                }
             }
-            Err(e) => {
-                tracing::error!(job_id = self.id(), error = %e, "cannot start the guard");
-                // Back to PENDING after a pause; the next reconcile will try again.
-                let mut back = self.entry.clone();
-                back.status = RegistryStatus::Pending;
-                back.term = term.revision();
-                back.not_before_ms = records::now_ms() + 1000;
-                back.last_error = Some(format!("cannot start the guard: {e}"));
-                let k = self.ctx.keys.job(self.id());
-                let compares = vec![
-                    Compare::create_revision(k.spec.clone(), CompareOp::Equal, self.incarnation),
-                    Compare::mod_revision(k.registry.clone(), CompareOp::Equal, rev),
-                ];
-                let _ = self
-                    .write(
-                        compares,
-                        vec![TxnOp::put(k.registry, codec::encode(&back), None)],
-                    )
-                    .await;
-                Outcome::Retry
-            }
+            Err(o) => o,
         }
     }
 
-    /// An attempt ended (its guard's exit record, if any): record the outcome.
-    async fn finish(&self, attempt: u32, rec: Option<ExitRecord>) -> Outcome {
+    /// Back to PENDING without a result.
+    async fn requeue(&self, why: Requeue) -> Outcome {
         let term = self.writer.term();
-        if self.snap.cancel.is_some()
-            || rec
-                .as_ref()
-                .is_some_and(|r| r.killed_by == Some(KilledBy::Cancel))
-        {
-            let (code, signal) = rec
-                .as_ref()
-                .map_or((None, None), |r| (r.exit_code, r.signal));
+        let cfg = &self.ctx.config;
+        let mut back = self.entry.clone();
+        back.version = records::REGISTRY_VERSION;
+        back.status = RegistryStatus::Pending;
+        back.term = term.revision();
+        back.worker = None;
+        back.worker_rev = 0;
+        back.worker_ttl_ms = 0;
+        match why {
+            Requeue::Lost => {
+                back.recoveries += 1;
+                back.recovered_next = true;
+                if back.recoveries > cfg.max_recoveries {
+                    let msg = format!(
+                        "restarted {} times after its worker or leader was lost (--max-recoveries {}); giving up",
+                        back.recoveries - 1,
+                        cfg.max_recoveries
+                    );
+                    let job = JobCtx {
+                        entry: RegistryEntry {
+                            recoveries: back.recoveries - 1,
+                            ..self.entry.clone()
+                        },
+                        ..self.clone_ref()
+                    };
+                    return job
+                        .terminal(TerminalStatus::Failed, None, None, Some(msg))
+                        .await;
+                }
+            }
+            Requeue::Preempted => back.recovered_next = true,
+            Requeue::Unstarted => back.attempt = back.attempt.saturating_sub(1),
+        }
+        let k = self.ctx.keys.job(self.id());
+        let mut ops = vec![TxnOp::put(k.registry, codec::encode(&back), None)];
+        ops.extend(self.end_assignment());
+        match self.write(self.same_attempt(), ops).await {
+            Ok(_) => {
+                tracing::info!(job_id = self.id(), attempt = self.entry.attempt, reason = ?why, "attempt given back; the job waits for a worker again");
+                Outcome::Idle
+            }
+            Err(o) => o,
+        }
+    }
+
+    /// The attempt exited (record `rec`): record the result, or retry after a backoff.
+    async fn finish(&self, rec: &AttemptRecord) -> Outcome {
+        let term = self.writer.term();
+        let attempt = self.entry.attempt;
+        let killed_by = rec.killed_by.as_deref();
+        if self.snap.cancel.is_some() || killed_by == Some("cancel") {
             return self
-                .terminal_with(
+                .terminal(
                     TerminalStatus::Canceled,
-                    code,
-                    signal,
+                    rec.exit_code,
+                    rec.signal,
                     Some("cancelled".into()),
                 )
                 .await;
         }
-        let rec = match rec {
-            Some(r) if matches!(r.killed_by, None | Some(KilledBy::Timeout)) => r,
-            other => {
-                // The guard did not run the job to its end (no deadline, leader gone): not the
-                // job's fault, so no failure is counted. Put it back to PENDING.
-                if term.check().is_err() {
-                    return Outcome::Idle;
-                }
-                tracing::warn!(job_id = self.id(), attempt, killed_by = ?other.map(|r| r.killed_by), "attempt interrupted; will run again");
-                let mut back = self.entry.clone();
-                back.status = RegistryStatus::Pending;
-                back.term = term.revision();
-                let k = self.ctx.keys.job(self.id());
-                return match self
-                    .write(
-                        self.same_job(),
-                        vec![TxnOp::put(k.registry, codec::encode(&back), None)],
-                    )
-                    .await
-                {
-                    Ok(_) | Err(Outcome::Idle) => Outcome::Idle,
-                    Err(o) => o,
-                };
-            }
-        };
-        if rec.exit_code == Some(0) && rec.killed_by.is_none() {
+        if rec.exit_code == Some(0) && killed_by.is_none() {
             return self
-                .terminal_with(TerminalStatus::Finished, Some(0), None, None)
+                .terminal(TerminalStatus::Finished, Some(0), None, None)
                 .await;
         }
-        let error = if rec.killed_by == Some(KilledBy::Timeout) {
+        let error = if killed_by == Some("timeout") {
             format!(
                 "attempt {attempt} timed out after {}",
                 humantime::format_duration(self.record.spec.timeout)
@@ -380,7 +435,7 @@ impl JobCtx<'_> {
                 ..self.clone_ref()
             };
             return job
-                .terminal_with(
+                .terminal(
                     TerminalStatus::Failed,
                     rec.exit_code,
                     rec.signal,
@@ -389,19 +444,19 @@ impl JobCtx<'_> {
                 .await;
         }
         let delay = retry_delay(&self.ctx.config, entry.failed_attempts);
+        entry.version = records::REGISTRY_VERSION;
         entry.status = RegistryStatus::Pending;
         entry.term = term.revision();
+        entry.worker = None;
+        entry.worker_rev = 0;
+        entry.worker_ttl_ms = 0;
         entry.not_before_ms = records::now_ms() + delay.as_millis() as u64;
         entry.last_error = Some(error.clone());
         tracing::info!(job_id = self.id(), attempt, error = %error, retry_in = ?delay, "attempt failed; will retry");
         let k = self.ctx.keys.job(self.id());
-        match self
-            .write(
-                self.same_job(),
-                vec![TxnOp::put(k.registry, codec::encode(&entry), None)],
-            )
-            .await
-        {
+        let mut ops = vec![TxnOp::put(k.registry, codec::encode(&entry), None)];
+        ops.extend(self.end_assignment());
+        match self.write(self.same_attempt(), ops).await {
             Ok(_) => Outcome::Later(entry.not_before_ms),
             Err(o) => o,
         }
@@ -416,20 +471,13 @@ impl JobCtx<'_> {
             registry_rev: self.registry_rev,
             entry: self.entry.clone(),
             record: self.record,
+            attempt: self.attempt.clone(),
         }
     }
 
+    /// Writes the dirty result, removes the registry entry, the assignment and the attempt
+    /// records, in one fenced transaction.
     async fn terminal(
-        &self,
-        status: TerminalStatus,
-        code: Option<i32>,
-        error: Option<String>,
-    ) -> Outcome {
-        self.terminal_with(status, code, None, error).await
-    }
-
-    /// Writes the dirty result and removes the registry entry, in one fenced transaction.
-    async fn terminal_with(
         &self,
         status: TerminalStatus,
         exit_code: Option<i32>,
@@ -438,7 +486,6 @@ impl JobCtx<'_> {
     ) -> Outcome {
         let term = self.writer.term();
         let e = &self.entry;
-        let dir = storage::job_dir(&self.ctx.config.storage_dir, self.id());
         let result = JobResult {
             version: records::RESULT_VERSION,
             job_id: self.id().into(),
@@ -453,16 +500,25 @@ impl JobCtx<'_> {
             started_at_ms: e.first_started_ms,
             finished_at_ms: records::now_ms(),
             spec_hash: self.record.spec_hash.clone(),
-            log_tail: record::log_tail(&record::log_path(&dir, &format!("attempt-{}", e.attempt))),
+            log_tail: self
+                .attempt
+                .as_ref()
+                .map(|(r, _)| r.log_tail.clone())
+                .unwrap_or_default(),
             term: term.revision(),
             cleanup: Default::default(),
         };
         let k = self.ctx.keys.job(self.id());
-        let ops = vec![
+        let mut ops = vec![
             TxnOp::delete(k.registry, None),
             TxnOp::put(k.dirty, codec::encode(&result), None),
+            TxnOp::delete(
+                self.ctx.keys.attempts_of(self.id()),
+                Some(DeleteOptions::new().with_prefix()),
+            ),
         ];
-        match self.write(self.same_job(), ops).await {
+        ops.extend(self.end_assignment());
+        match self.write(self.same_attempt(), ops).await {
             Ok(_) => {
                 tracing::info!(job_id = self.id(), status = ?status, exit_code, "job result recorded");
                 Outcome::Idle

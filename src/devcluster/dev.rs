@@ -53,6 +53,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
                 "--storage-dir".into(),
                 dir.join("storage").display().to_string(),
             ],
+            worker: false,
         };
         let r = ReplicaProcess::spawn(spec).context("starting a replica")?;
         println!("{}: {} (log {})", r.id(), listen, r.log_path().display());

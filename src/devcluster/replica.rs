@@ -1,4 +1,5 @@
-//! `baton serve` replicas as child processes: started, SIGKILLed, SIGTERMed, paused, resumed.
+//! `baton serve` replicas and `baton worker` workers as child processes: started, SIGKILLed,
+//! SIGTERMed, paused, resumed.
 
 use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
@@ -22,8 +23,10 @@ pub struct ReplicaSpec {
     pub lease_ttl: Duration,
     /// Logs and the role log go here, named after the id.
     pub dir: PathBuf,
-    /// Anything else for `baton serve`.
+    /// Anything else for `baton serve` (or `baton worker`).
     pub extra_args: Vec<String>,
+    /// A `baton worker` (id as its worker id; no listener, no role log) instead of a replica.
+    pub worker: bool,
 }
 
 pub struct ReplicaProcess {
@@ -40,16 +43,21 @@ impl ReplicaProcess {
             .append(true)
             .open(spec.dir.join(format!("{}.log", spec.id)))?;
         let mut cmd = Command::new(&spec.bin);
-        cmd.arg("--log-format")
-            .arg("json")
-            .arg("serve")
-            .args(["--etcd-endpoints", &spec.etcd_endpoints.join(",")])
+        cmd.arg("--log-format").arg("json");
+        if spec.worker {
+            cmd.arg("worker").args(["--worker-id", &spec.id]);
+        } else {
+            cmd.arg("serve")
+                .args(["--replica-id", &spec.id])
+                .args(["--listen", &spec.listen.to_string()])
+                .arg("--role-log")
+                .arg(role_log_path(&spec.dir, &spec.id));
+        }
+        if !spec.extra_args.iter().any(|a| a == "--lease-ttl") {
+            cmd.args(["--lease-ttl", &format!("{}s", spec.lease_ttl.as_secs())]);
+        }
+        cmd.args(["--etcd-endpoints", &spec.etcd_endpoints.join(",")])
             .args(["--cluster", &spec.cluster])
-            .args(["--replica-id", &spec.id])
-            .args(["--listen", &spec.listen.to_string()])
-            .args(["--lease-ttl", &format!("{}s", spec.lease_ttl.as_secs())])
-            .arg("--role-log")
-            .arg(role_log_path(&spec.dir, &spec.id))
             .args(&spec.extra_args)
             // Its own group: a Ctrl-C at the terminal is for the drill or `baton dev`, which
             // then stop the replicas in order (a replica that got it too would hand over early).

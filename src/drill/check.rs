@@ -107,8 +107,12 @@ pub async fn wait_running(lab: &Target, within: Duration) {
     while Instant::now() < until {
         if let Ok(entries) = all(lab, "registry/").await {
             let running = entries.iter().any(|(id, v)| {
-                codec::decode::<records::RegistryEntry>(id.as_bytes(), v, records::REGISTRY_VERSION)
-                    .is_ok_and(|e| e.status == records::RegistryStatus::Running)
+                codec::decode_any::<records::RegistryEntry>(
+                    id.as_bytes(),
+                    v,
+                    records::REGISTRY_VERSIONS_READ,
+                )
+                .is_ok_and(|e| e.status == records::RegistryStatus::Running)
             });
             if running {
                 return;
@@ -148,7 +152,7 @@ pub fn first_start_after(lab: &Target, after: BootInstant, term: i64) -> Option<
         .iter()
         .filter(|e| {
             e.event == "start"
-                && e.term == term
+                && e.term > term
                 && e.boottime_ns >= after.as_nanos()
                 && e.name.starts_with("attempt-")
         })
@@ -156,7 +160,8 @@ pub fn first_start_after(lab: &Target, after: BootInstant, term: i64) -> Option<
         .min()
 }
 
-/// Executions started in `term` after `after` whose job had an earlier execution cut off.
+/// Executions assigned in `term` or later (their token, the assignment's revision, is above the
+/// term's) and started after `after`, whose job had an earlier execution cut off.
 pub fn restarted_in(lab: &Target, after: BootInstant, term: i64) -> usize {
     let l = ledger(lab);
     let cut: HashSet<&str> = l
@@ -171,7 +176,7 @@ pub fn restarted_in(lab: &Target, after: BootInstant, term: i64) -> usize {
         .map(|e| e.job_id.as_str())
         .collect();
     l.iter()
-        .filter(|e| e.event == "start" && e.term == term && e.boottime_ns >= after.as_nanos())
+        .filter(|e| e.event == "start" && e.term > term && e.boottime_ns >= after.as_nanos())
         .filter(|e| e.name.starts_with("attempt-") && cut.contains(e.job_id.as_str()))
         .count()
 }
@@ -318,10 +323,10 @@ pub async fn verify(
     let mut ev: Vec<String> = registry
         .iter()
         .map(|(id, v)| {
-            match codec::decode::<records::RegistryEntry>(
+            match codec::decode_any::<records::RegistryEntry>(
                 id.as_bytes(),
                 v,
-                records::REGISTRY_VERSION,
+                records::REGISTRY_VERSIONS_READ,
             ) {
                 Ok(e) => format!("{id}: left in the registry as {:?}", e.status),
                 Err(e) => format!("{id}: an entry that is not PENDING/RUNNING: {e}"),

@@ -184,6 +184,7 @@ fn start_lab(args: &DrillArgs, dir: &std::path::Path) -> anyhow::Result<Lab> {
             lease_ttl: args.lease_ttl,
             dir: dir.join("replicas"),
             extra_args: extra,
+            worker: false,
         };
         replicas.push(ReplicaProcess::spawn(spec)?);
     }
@@ -419,7 +420,10 @@ async fn inject(
             lab.replicas[k].restart()?;
         }
         "pause" => {
-            let held = lab.ttl * 2;
+            // Long enough for its embedded worker's key to expire and the new leader to restart
+            // that worker's jobs elsewhere (key gone, then TTL + margin): the overlap the guards'
+            // deadlines must prevent.
+            let held = lab.ttl * 4;
             if t0.elapsed() < held {
                 tokio::time::sleep(held - t0.elapsed()).await;
             }

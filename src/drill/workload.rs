@@ -17,6 +17,7 @@ use crate::proto::{JobSpec, SubmitJobRequest};
 pub enum Kind {
     Short,
     Long,
+    Longer,
     Cleanup,
     FlakyCleanup,
 }
@@ -63,6 +64,8 @@ fn spec(kind: Kind) -> JobSpec {
     let mut spec = JobSpec {
         command: match kind {
             Kind::Long => sh("sleep 4"),
+            // Outlives a paused worker's key plus the TTL and margin the leader waits after it.
+            Kind::Longer => sh("sleep 12"),
             _ => sh("sleep 0.2"),
         },
         max_attempts: 3,
@@ -104,7 +107,7 @@ pub fn start(client: ClientArgs, args: &DrillArgs, seed: u64, stop: Cancellation
             }
             let kind = match rng.below(10) {
                 // The negative control needs executions long enough for a pause to cut.
-                _ if all_long => Kind::Long,
+                _ if all_long => Kind::Longer,
                 0..=3 => Kind::Short,
                 4..=5 => Kind::Long,
                 6..=7 => Kind::Cleanup,

@@ -79,6 +79,27 @@ pub struct Lease {
     term: Arc<OnceLock<Term>>,
     replica: String,
     keepalives: Arc<KeepaliveStats>,
+    watchdog: Arc<OnceLock<Watchdog>>,
+}
+
+/// A deadline the lease's owner must keep meeting: when its main loop misses it, the keeper
+/// stops renewing, so a hung process loses its lease instead of holding its work forever.
+#[derive(Clone, Debug)]
+pub struct Watchdog {
+    last_ns: Arc<AtomicU64>,
+    limit: Duration,
+}
+
+impl Watchdog {
+    /// The owner's main loop is alive.
+    pub fn pet(&self) {
+        self.last_ns
+            .store(BootInstant::now().as_nanos(), Ordering::SeqCst);
+    }
+
+    fn missed(&self, now: BootInstant) -> bool {
+        BootInstant::from_nanos(self.last_ns.load(Ordering::SeqCst)) + self.limit < now
+    }
 }
 
 /// Proof that etcd had the lease alive: it answered a keepalive sent at `sent`.
@@ -116,6 +137,7 @@ impl Lease {
             term: Arc::new(OnceLock::new()),
             replica: replica.to_owned(),
             keepalives: Arc::new(KeepaliveStats::new(BootInstant::now())),
+            watchdog: Arc::new(OnceLock::new()),
         };
         let keeper = Keeper {
             term: lease.term.clone(),
@@ -128,6 +150,7 @@ impl Lease {
             lost: lease.lost.clone(),
             stop: lease.stop.clone(),
             keepalives: lease.keepalives.clone(),
+            watchdog: lease.watchdog.clone(),
         };
         std::thread::Builder::new()
             .name(format!("lease-{:x}", lease.id))
@@ -183,6 +206,17 @@ impl Lease {
     pub fn bind(&self, term: &Term) {
         self.keepalives.reset();
         let _ = self.term.set(term.clone());
+    }
+
+    /// Arms a watchdog: unless [`Watchdog::pet`] is called at least every `limit`, the keeper
+    /// stops renewing and the lease is lost.
+    pub fn watchdog(&self, limit: Duration) -> Watchdog {
+        let w = Watchdog {
+            last_ns: Arc::new(AtomicU64::new(BootInstant::now().as_nanos())),
+            limit,
+        };
+        let _ = self.watchdog.set(w.clone());
+        self.watchdog.get().cloned().unwrap_or(w)
     }
 
     /// Stops renewing. The lease then expires unless revoked first.
@@ -245,6 +279,7 @@ struct Keeper {
     lost: CancellationToken,
     stop: CancellationToken,
     keepalives: Arc<KeepaliveStats>,
+    watchdog: Arc<OnceLock<Watchdog>>,
 }
 
 enum Renewal {
@@ -332,6 +367,11 @@ impl Keeper {
                 biased;
                 _ = self.stop.cancelled() => return,
                 _ = watchdog.tick() => {
+                    if self.watchdog.get().is_some_and(|w| w.missed(BootInstant::now())) {
+                        tracing::warn!(lease = self.id, "the owner's main loop missed its watchdog; letting the lease go");
+                        self.lose("the main loop missed its watchdog deadline");
+                        return;
+                    }
                     if BootInstant::now() + self.margin >= *self.valid_until.borrow() {
                         tracing::warn!(lease = self.id, "lease not proven within the step-down margin");
                         self.lose("lease not proven alive within the step-down margin");

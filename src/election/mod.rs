@@ -13,7 +13,7 @@
 mod lease;
 mod term;
 
-pub use lease::{prove_once, Lease, Proof};
+pub use lease::{prove_once, Lease, Proof, Watchdog};
 pub use term::{Commit, FenceError, Term};
 
 use std::time::{Duration, SystemTime};

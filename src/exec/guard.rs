@@ -55,6 +55,9 @@ pub struct GuardArgs {
     pub timeout: Duration,
     #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
     pub kill_grace: Duration,
+    /// How long to wait for the first deadline (the go) before giving up without starting.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
+    pub go_within: Duration,
     /// Append a JSON line per execution start and end to this file (drills audit them).
     #[arg(long)]
     pub ledger: Option<PathBuf>,
@@ -110,6 +113,9 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
     // Armed here rather than between fork and exec in the parent, which runs no code there.
     // The signal follows the thread that spawned us: the parent's long-lived spawner thread.
     nix::sys::prctl::set_pdeathsig(Signal::SIGHUP).map_err(std::io::Error::from)?;
+    // The job's orphaned descendants become the guard's children, so the guard can reap them
+    // and tell when the job's group is really empty (a container's init may never reap them).
+    nix::sys::prctl::set_child_subreaper(true).map_err(std::io::Error::from)?;
     if args.parent_pid.is_some_and(|p| getppid().as_raw() != p) {
         return Ok(NOT_STARTED);
     }
@@ -130,7 +136,7 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
 
     let stdin = std::io::stdin();
     let mut feed = Feed::new(stdin.as_fd().try_clone_to_owned()?);
-    let first = BootInstant::now() + Duration::from_secs(5);
+    let first = BootInstant::now() + args.go_within;
     let mut deadline = loop {
         if let Some(d) = feed.deadline {
             break d;
@@ -247,8 +253,17 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
             None => None,
         };
         if let Some(status) = status {
-            // Nothing of the job may outlive its attempt: kill what is left of its group.
+            // Nothing of the job may outlive its attempt: kill what is left of its group, and
+            // wait (bounded) until it is empty, so an immediate reschedule cannot overlap it.
             let _ = killpg(group, Signal::SIGKILL);
+            let empty_by = BootInstant::now() + Duration::from_secs(5);
+            loop {
+                reap_orphans();
+                if killpg(group, None).is_err() || BootInstant::now() >= empty_by {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
             // A kill that lost the race against a normal exit did not end the job.
             let killed_by = match killed_by {
                 Some(k) if k != KilledBy::Cancel && status.code().is_some() => None,
@@ -303,6 +318,16 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
             if let Some(d) = feed.deadline {
                 deadline = deadline.max(d);
             }
+        }
+    }
+}
+
+/// Reaps every exited descendant that was handed to the guard as their subreaper.
+fn reap_orphans() {
+    use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+    while let Ok(status) = waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+        if status == WaitStatus::StillAlive {
+            break;
         }
     }
 }

@@ -66,6 +66,8 @@ pub struct Launch {
     pub dir: PathBuf,
     /// `attempt-<n>` or `cleanup-<n>`.
     pub name: String,
+    /// How long the guard waits for its first deadline (its go) before giving up.
+    pub go_within: Duration,
     pub command: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub timeout: Duration,
@@ -217,6 +219,19 @@ pub async fn spawn(
     launch: Launch,
     first_deadline: impl FnOnce() -> BootInstant + Send + 'static,
 ) -> std::io::Result<Guard> {
+    start(launch, Some(Box::new(first_deadline))).await
+}
+
+/// Starts a guard that waits for its first deadline, which is its go: the caller records the
+/// start (with the guard's pid) before the job may exec. A guard not fed within its
+/// `--go-within` starts nothing. Cancel-safe like [`spawn`].
+pub async fn spawn_held(launch: Launch) -> std::io::Result<Guard> {
+    start(launch, None).await
+}
+
+type FirstDeadline = Box<dyn FnOnce() -> BootInstant + Send + 'static>;
+
+async fn start(launch: Launch, first_deadline: Option<FirstDeadline>) -> std::io::Result<Guard> {
     let (reply, answer) = oneshot::channel();
     spawner()
         .send(Request {
@@ -228,14 +243,18 @@ pub async fn spawn(
         let (child, pidfd) = answer
             .await
             .map_err(|_| std::io::Error::other("the spawner thread is gone"))??;
-        adopt(child, pidfd, first_deadline())
+        adopt(child, pidfd, first_deadline.map(|f| f()))
     })
     .await
     .map_err(|e| std::io::Error::other(format!("starting a guard failed: {e}")))?
 }
 
 /// Takes a freshly spawned guard over: its pipe, its first deadline and its reaping.
-fn adopt(mut child: Child, pidfd: OwnedFd, first_deadline: BootInstant) -> std::io::Result<Guard> {
+fn adopt(
+    mut child: Child,
+    pidfd: OwnedFd,
+    first_deadline: Option<BootInstant>,
+) -> std::io::Result<Guard> {
     let stdin = child.stdin.take().expect("guard stdin is piped");
     let nonblocking = nix::fcntl::fcntl(
         stdin.as_fd(),
@@ -257,7 +276,9 @@ fn adopt(mut child: Child, pidfd: OwnedFd, first_deadline: BootInstant) -> std::
         pid,
         pidfd: signals,
     };
-    feed.deadline(first_deadline);
+    if let Some(d) = first_deadline {
+        feed.deadline(d);
+    }
     Ok(Guard { pid, feed, exited })
 }
 
@@ -292,6 +313,7 @@ fn guard_command(l: &Launch) -> Command {
         .args(["--margin", &format!("{}ms", g.margin.as_millis())])
         .args(["--timeout", &format!("{}ms", l.timeout.as_millis())])
         .args(["--kill-grace", &format!("{}ms", g.kill_grace.as_millis())])
+        .args(["--go-within", &format!("{}ms", l.go_within.as_millis())])
         .args(["--nice", &g.nice.to_string()])
         .args(["--parent-pid", &std::process::id().to_string()]);
     if let Some(ledger) = &g.ledger {

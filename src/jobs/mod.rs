@@ -7,6 +7,7 @@
 
 pub mod records;
 pub mod spec;
+pub mod work;
 
 use etcd_client::{
     Compare, CompareOp, GetOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
@@ -70,6 +71,9 @@ pub struct Snapshot {
     pub dirty_rev: i64,
     /// An operator asked for an immediate cleanup retry.
     pub cleanup_now: bool,
+    /// Workers' attempt records by token (the assignment's revision), with their mod revision.
+    /// A corrupt one is left out (and counted).
+    pub attempts: std::collections::BTreeMap<i64, (work::AttemptRecord, i64)>,
     pub revision: i64,
 }
 
@@ -120,6 +124,10 @@ fn gets(keys: &Keys, id: &str) -> Vec<TxnOp> {
     ]
     .into_iter()
     .map(|key| TxnOp::get(key, None))
+    .chain([TxnOp::get(
+        keys.attempts_of(id),
+        Some(GetOptions::new().with_prefix()),
+    )])
     .collect()
 }
 
@@ -129,10 +137,19 @@ fn snapshot_from(
     revision: i64,
     answers: Vec<TxnOpResponse>,
 ) -> Result<Snapshot, Corrupt> {
-    let mut kvs = answers.into_iter().map(|a| match a {
-        TxnOpResponse::Get(g) => g.kvs().first().cloned(),
-        _ => None,
-    });
+    let mut answers: Vec<Vec<etcd_client::KeyValue>> = answers
+        .into_iter()
+        .map(|a| match a {
+            TxnOpResponse::Get(g) => g.kvs().to_vec(),
+            _ => Vec::new(),
+        })
+        .collect();
+    let attempt_kvs = if answers.len() > 6 {
+        answers.pop().unwrap_or_default()
+    } else {
+        Vec::new()
+    };
+    let mut kvs = answers.into_iter().map(|v| v.into_iter().next());
     let mut next = || kvs.next().flatten();
     let spec = next();
     let registry = next();
@@ -154,7 +171,7 @@ fn snapshot_from(
         registry: registry
             .map(|kv| {
                 Ok::<_, Corrupt>((
-                    codec::decode(kv.key(), kv.value(), records::REGISTRY_VERSION)?,
+                    codec::decode_any(kv.key(), kv.value(), records::REGISTRY_VERSIONS_READ)?,
                     kv.mod_revision(),
                 ))
             })
@@ -170,6 +187,19 @@ fn snapshot_from(
             .transpose()?,
         dirty_rev,
         cleanup_now,
+        attempts: attempt_kvs
+            .iter()
+            .filter_map(|kv| {
+                let token = std::str::from_utf8(kv.key())
+                    .ok()?
+                    .rsplit('/')
+                    .next()?
+                    .parse::<i64>()
+                    .ok()?;
+                let rec = codec::decode(kv.key(), kv.value(), work::ATTEMPT_VERSION).ok()?;
+                Some((token, (rec, kv.mod_revision())))
+            })
+            .collect(),
         revision,
     })
 }

@@ -5,7 +5,10 @@
 
 use serde::{Deserialize, Serialize};
 
-pub const REGISTRY_VERSION: u32 = 1;
+/// Version 2: RUNNING entries name the worker incarnation that runs them. A version 1 RUNNING
+/// entry was run by an older leader itself; it is rescheduled (that leader's term is over).
+pub const REGISTRY_VERSION: u32 = 2;
+pub const REGISTRY_VERSIONS_READ: &[u32] = &[1, 2];
 pub const RESULT_VERSION: u32 = 1;
 pub const CANCEL_VERSION: u32 = 1;
 
@@ -37,6 +40,18 @@ pub struct RegistryEntry {
     pub first_started_ms: u64,
     #[serde(default)]
     pub last_error: Option<String>,
+    /// RUNNING: the worker running it and the create revision of its key (its incarnation).
+    #[serde(default)]
+    pub worker: Option<String>,
+    #[serde(default)]
+    pub worker_rev: i64,
+    /// That worker's lease TTL and margin when it was assigned: how long its guards may run
+    /// the job after its key is gone.
+    #[serde(default)]
+    pub worker_ttl_ms: u64,
+    /// The next assignment restarts an attempt a lost worker ran (`BATON_RECOVERED=1`).
+    #[serde(default)]
+    pub recovered_next: bool,
 }
 
 impl RegistryEntry {
@@ -51,6 +66,10 @@ impl RegistryEntry {
             not_before_ms: 0,
             first_started_ms: 0,
             last_error: None,
+            worker: None,
+            worker_rev: 0,
+            worker_ttl_ms: 0,
+            recovered_next: false,
         }
     }
 }

@@ -32,6 +32,16 @@ struct VersionOnly {
 
 /// Decodes a value whose `version` must be `expected`.
 pub fn decode<T: DeserializeOwned>(key: &[u8], value: &[u8], expected: u32) -> Result<T, Corrupt> {
+    decode_any(key, value, &[expected])
+}
+
+/// Decodes a value whose `version` is one of `accepted` (older layouts read through serde
+/// defaults).
+pub fn decode_any<T: DeserializeOwned>(
+    key: &[u8],
+    value: &[u8],
+    accepted: &[u32],
+) -> Result<T, Corrupt> {
     let fail = |reason: String| {
         CORRUPT_VALUES.fetch_add(1, Ordering::Relaxed);
         let key = String::from_utf8_lossy(key).into_owned();
@@ -39,9 +49,9 @@ pub fn decode<T: DeserializeOwned>(key: &[u8], value: &[u8], expected: u32) -> R
         Corrupt { key, reason }
     };
     let v: VersionOnly = serde_json::from_slice(value).map_err(|e| fail(e.to_string()))?;
-    if v.version != expected {
+    if !accepted.contains(&v.version) {
         return Err(fail(format!(
-            "unknown version {} (this replica reads {expected})",
+            "unknown version {} (this replica reads {accepted:?})",
             v.version
         )));
     }

@@ -53,9 +53,44 @@ impl Keys {
         format!("{}cleanup-now/", self.prefix)
     }
 
-    /// The token that proves a storage folder is this cluster's shared one.
-    pub fn storage_marker(&self) -> String {
-        format!("{}storage-marker", self.prefix)
+    /// `workers/`: one key per live worker incarnation, on the worker's own lease.
+    pub fn workers(&self) -> String {
+        format!("{}workers/", self.prefix)
+    }
+
+    /// `workers/<id>`
+    pub fn worker(&self, id: &str) -> String {
+        format!("{}{id}", self.workers())
+    }
+
+    /// `assignments/`: what the leader gave each worker incarnation to run.
+    pub fn assignments(&self) -> String {
+        format!("{}assignments/", self.prefix)
+    }
+
+    /// `assignments/<worker>/<create_rev>/`: the one prefix a worker incarnation watches.
+    pub fn assignments_of(&self, worker: &str, incarnation: i64) -> String {
+        format!("{}{worker}/{incarnation}/", self.assignments())
+    }
+
+    /// `assignments/<worker>/<create_rev>/<job>`
+    pub fn assignment(&self, worker: &str, incarnation: i64, job: &str) -> String {
+        format!("{}{job}", self.assignments_of(worker, incarnation))
+    }
+
+    /// `attempts/`: what workers report about each assignment.
+    pub fn attempts(&self) -> String {
+        format!("{}attempts/", self.prefix)
+    }
+
+    /// `attempts/<job>/`
+    pub fn attempts_of(&self, job: &str) -> String {
+        format!("{}{job}/", self.attempts())
+    }
+
+    /// `attempts/<job>/<token>`: keyed by the revision of the assignment it reports on.
+    pub fn attempt(&self, job: &str, token: i64) -> String {
+        format!("{}{token}", self.attempts_of(job))
     }
 
     /// The job id of a key under one of the per-job prefixes.
@@ -95,5 +130,10 @@ mod tests {
         let k = super::Keys::new("prod");
         assert_eq!(k.prefix(), "/baton/prod/");
         assert_eq!(k.election(), "/baton/prod/election");
+        assert_eq!(
+            k.assignment("w1", 42, "j"),
+            "/baton/prod/assignments/w1/42/j"
+        );
+        assert_eq!(k.attempt("j", 43), "/baton/prod/attempts/j/43");
     }
 }

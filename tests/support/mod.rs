@@ -26,9 +26,16 @@ pub struct Options {
     pub replicas: usize,
     pub etcd_members: usize,
     pub ttl: Duration,
-    /// Put a fault proxy between each replica and etcd member 0.
+    /// Put a fault proxy between each replica (and each worker) and etcd member 0.
     pub proxied: bool,
+    /// For the replicas.
     pub extra_args: Vec<String>,
+    /// Separate `baton worker` processes (`w1`, `w2`, ...).
+    pub workers: usize,
+    /// Only for the separate workers.
+    pub worker_args: Vec<String>,
+    /// Whether replicas run an embedded worker (`--worker`).
+    pub embedded: bool,
 }
 
 impl Default for Options {
@@ -39,6 +46,9 @@ impl Default for Options {
             ttl: Duration::from_secs(2),
             proxied: false,
             extra_args: Vec::new(),
+            workers: 0,
+            worker_args: Vec::new(),
+            embedded: true,
         }
     }
 }
@@ -46,6 +56,8 @@ impl Default for Options {
 pub struct Cluster {
     pub replicas: Vec<ReplicaProcess>,
     pub proxies: Vec<FaultProxy>,
+    pub workers: Vec<ReplicaProcess>,
+    pub worker_proxies: Vec<FaultProxy>,
     pub etcd: EtcdCluster,
     pub ttl: Duration,
     pub cluster: String,
@@ -62,8 +74,10 @@ impl Cluster {
         let storage = dir.path().join("storage");
         let mut proxies = Vec::new();
         let mut replicas = Vec::new();
-        for i in 0..opts.replicas {
-            let endpoints = if opts.proxied {
+        let mut worker_proxies = Vec::new();
+        let mut workers = Vec::new();
+        let endpoints = |proxies: &mut Vec<FaultProxy>| {
+            if opts.proxied {
                 let target: SocketAddr = etcd.endpoints()[0].parse().unwrap();
                 let p = FaultProxy::start(target).unwrap();
                 let ep = vec![p.addr().to_string()];
@@ -71,26 +85,53 @@ impl Cluster {
                 ep
             } else {
                 etcd.endpoints()
-            };
+            }
+        };
+        let common = |extra: &[String]| -> Vec<String> {
+            [
+                vec!["--storage-dir".to_string(), storage.display().to_string()],
+                extra.to_vec(),
+            ]
+            .concat()
+        };
+        for i in 0..opts.replicas {
+            let embedded = [
+                vec!["--worker".to_string(), opts.embedded.to_string()],
+                opts.extra_args.clone(),
+            ]
+            .concat();
             let spec = ReplicaSpec {
                 id: format!("r{}", i + 1),
                 bin: BIN.into(),
-                etcd_endpoints: endpoints,
+                etcd_endpoints: endpoints(&mut proxies),
                 cluster: "test".into(),
                 listen: ([127, 0, 0, 1], free_port()).into(),
                 lease_ttl: opts.ttl,
                 dir: dir.path().join("replicas"),
-                extra_args: [
-                    vec!["--storage-dir".to_string(), storage.display().to_string()],
-                    opts.extra_args.clone(),
-                ]
-                .concat(),
+                extra_args: common(&embedded),
+                worker: false,
             };
             replicas.push(ReplicaProcess::spawn(spec).unwrap());
+        }
+        for i in 0..opts.workers {
+            let spec = ReplicaSpec {
+                id: format!("w{}", i + 1),
+                bin: BIN.into(),
+                etcd_endpoints: endpoints(&mut worker_proxies),
+                cluster: "test".into(),
+                listen: ([127, 0, 0, 1], free_port()).into(),
+                lease_ttl: opts.ttl,
+                dir: dir.path().join("replicas"),
+                extra_args: common(&opts.worker_args),
+                worker: true,
+            };
+            workers.push(ReplicaProcess::spawn(spec).unwrap());
         }
         Cluster {
             replicas,
             proxies,
+            workers,
+            worker_proxies,
             etcd,
             ttl: opts.ttl,
             cluster: "test".into(),
@@ -151,6 +192,68 @@ impl Cluster {
             .wait_leader(&self.all_indices(), Duration::from_secs(60), |_| true)
             .await;
         (self.index_of(&l.replica_id), l)
+    }
+
+    /// Starts another separate worker (`w<n>`) with these extra arguments.
+    pub fn add_worker(&mut self, extra: &[&str]) -> usize {
+        let n = self.workers.len() + 1;
+        let base = self.replicas.first().map(|r| r.spec().clone()).unwrap();
+        let mut args = vec![
+            "--storage-dir".to_string(),
+            self.storage().display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let spec = ReplicaSpec {
+            id: format!("w{n}"),
+            etcd_endpoints: self.etcd.endpoints(),
+            extra_args: args,
+            worker: true,
+            ..base
+        };
+        self.workers.push(ReplicaProcess::spawn(spec).unwrap());
+        self.workers.len() - 1
+    }
+
+    /// Waits until etcd lists exactly these worker ids as live.
+    pub async fn wait_workers(&self, ids: &[&str]) {
+        let mut want: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
+        want.sort();
+        let prefix = format!("/baton/{}/workers/", self.cluster);
+        wait_for(
+            &format!("workers {want:?} to be registered"),
+            Duration::from_secs(30),
+            || async {
+                let mut client = etcd_client::Client::connect(self.etcd.endpoints(), None)
+                    .await
+                    .ok()?;
+                let resp = client
+                    .get(
+                        prefix.clone(),
+                        Some(etcd_client::GetOptions::new().with_prefix()),
+                    )
+                    .await
+                    .ok()?;
+                let mut have: Vec<String> = resp
+                    .kvs()
+                    .iter()
+                    .map(|kv| String::from_utf8_lossy(&kv.key()[prefix.len()..]).into_owned())
+                    .collect();
+                have.sort();
+                (have == want).then_some(())
+            },
+        )
+        .await;
+    }
+
+    /// The registry entry of a job as JSON, if any.
+    pub async fn registry_entry(&self, id: &str) -> Option<serde_json::Value> {
+        let mut client = etcd_client::Client::connect(self.etcd.endpoints(), None)
+            .await
+            .ok()?;
+        let key = format!("/baton/{}/registry/{id}", self.cluster);
+        let resp = client.get(key, None).await.ok()?;
+        let kv = resp.kvs().first()?;
+        serde_json::from_slice(kv.value()).ok()
     }
 
     pub fn role_events(&self) -> Vec<RoleEvent> {

@@ -1,0 +1,189 @@
+//! The leader's view of the workers: which incarnations are alive, when this term saw the
+//! others go, and when it made each assignment. Kept from the workers' keys (paged at the term's
+//! start, then watched) and shared between the actor and the transitions.
+//!
+//! Guarantee: an incarnation is [`Liveness::Gone`] with a time no earlier than its key's
+//! deletion as this term saw it (the term's start for one gone before the term). A job of a gone
+//! incarnation is restarted only after that time plus the worker's TTL and margin, which covers
+//! keys deleted before the lease expired (a revoke, `etcdctl del`, etcd issue 15247).
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use crate::jobs::work::WorkerRecord;
+
+#[derive(Clone, Debug)]
+pub(super) struct WorkerView {
+    /// The key's create revision: the incarnation.
+    pub(super) rev: i64,
+    pub(super) mod_rev: i64,
+    pub(super) record: WorkerRecord,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Liveness {
+    Alive,
+    /// Gone no later than this (as this term saw it).
+    Gone(Instant),
+}
+
+/// A worker incarnation chosen for an assignment.
+#[derive(Clone, Debug)]
+pub(super) struct Pick {
+    pub(super) id: String,
+    pub(super) rev: i64,
+    pub(super) mod_rev: i64,
+    /// Its lease TTL plus margin.
+    pub(super) ttl_ms: u64,
+}
+
+pub(super) struct Fleet {
+    pub(super) term_start: Instant,
+    pub(super) workers: BTreeMap<String, WorkerView>,
+    gone: HashMap<(String, i64), Instant>,
+    /// Assignments this term made, by token, and when.
+    assigned_at: HashMap<i64, Instant>,
+    /// Incarnations that let an assignment time out: given nothing until then, unless they
+    /// record a start meanwhile.
+    suspect: HashMap<(String, i64), Instant>,
+}
+
+impl Fleet {
+    pub(super) fn new() -> Fleet {
+        Fleet {
+            term_start: Instant::now(),
+            workers: BTreeMap::new(),
+            gone: HashMap::new(),
+            assigned_at: HashMap::new(),
+            suspect: HashMap::new(),
+        }
+    }
+
+    /// Replaces the view with a fresh read: incarnations missing from it are gone as of now.
+    pub(super) fn reset(&mut self, workers: Vec<WorkerView>) {
+        let now = Instant::now();
+        let fresh: BTreeMap<String, WorkerView> = workers
+            .into_iter()
+            .map(|w| (w.record.worker_id.clone(), w))
+            .collect();
+        for (id, old) in &self.workers {
+            if fresh.get(id).is_none_or(|w| w.rev != old.rev) {
+                self.gone.entry((id.clone(), old.rev)).or_insert(now);
+            }
+        }
+        self.workers = fresh;
+    }
+
+    /// A worker's key was put. Returns the incarnation it replaced, if any.
+    pub(super) fn put(&mut self, view: WorkerView) -> Option<i64> {
+        let id = view.record.worker_id.clone();
+        let replaced = self
+            .workers
+            .get(&id)
+            .filter(|old| old.rev != view.rev)
+            .map(|old| old.rev);
+        if let Some(rev) = replaced {
+            self.gone
+                .entry((id.clone(), rev))
+                .or_insert_with(Instant::now);
+        }
+        self.workers.insert(id, view);
+        replaced
+    }
+
+    /// A worker's key was deleted. Returns the incarnation that went.
+    pub(super) fn delete(&mut self, id: &str) -> Option<i64> {
+        let old = self.workers.remove(id)?;
+        self.gone
+            .entry((id.to_string(), old.rev))
+            .or_insert_with(Instant::now);
+        Some(old.rev)
+    }
+
+    pub(super) fn liveness(&self, id: &str, rev: i64) -> Liveness {
+        if self.workers.get(id).is_some_and(|w| w.rev == rev) {
+            return Liveness::Alive;
+        }
+        Liveness::Gone(
+            self.gone
+                .get(&(id.to_string(), rev))
+                .copied()
+                .unwrap_or(self.term_start),
+        )
+    }
+
+    pub(super) fn assigned(&mut self, token: i64) {
+        let now = Instant::now();
+        if self.assigned_at.len() > 10_000 {
+            // Long past any assign timeout: their start was recorded or they were reclaimed.
+            self.assigned_at
+                .retain(|_, at| now.duration_since(*at) < Duration::from_secs(3600));
+        }
+        self.assigned_at.insert(token, now);
+    }
+
+    /// When the assignment `token` to `worker` must have a `started` record by: counted from
+    /// when this term made it, or from the term's start for one it adopted.
+    pub(super) fn accept_due(&self, worker: &str, token: i64) -> Instant {
+        let from = self
+            .assigned_at
+            .get(&token)
+            .copied()
+            .unwrap_or(self.term_start);
+        let timeout = self
+            .workers
+            .get(worker)
+            .map_or(Duration::from_secs(10), |w| {
+                Duration::from_millis(w.record.assign_timeout_ms)
+            });
+        from + timeout
+    }
+
+    /// Worker incarnation `(id, rev)` let an assignment time out: it gets nothing for three
+    /// assign timeouts.
+    pub(super) fn distrust(&mut self, id: &str, rev: i64) {
+        let timeout = self.workers.get(id).map_or(Duration::from_secs(10), |w| {
+            Duration::from_millis(w.record.assign_timeout_ms)
+        });
+        self.suspect
+            .insert((id.to_string(), rev), Instant::now() + timeout * 3);
+    }
+
+    /// Worker incarnation `(id, rev)` recorded a start: it answers.
+    pub(super) fn trust(&mut self, id: &str, rev: i64) {
+        if !self.suspect.is_empty() {
+            self.suspect.remove(&(id.to_string(), rev));
+        }
+    }
+
+    /// The live, non-draining worker with the most free slots (ties by id), given the slots
+    /// taken per incarnation.
+    pub(super) fn pick(&self, used: &HashMap<(String, i64), usize>) -> Option<Pick> {
+        let mut best: Option<(usize, &WorkerView)> = None;
+        let now = Instant::now();
+        for w in self.workers.values() {
+            let distrusted = || {
+                self.suspect
+                    .get(&(w.record.worker_id.clone(), w.rev))
+                    .is_some_and(|until| *until > now)
+            };
+            if w.record.draining || distrusted() {
+                continue;
+            }
+            let taken = used
+                .get(&(w.record.worker_id.clone(), w.rev))
+                .copied()
+                .unwrap_or(0);
+            let free = (w.record.capacity as usize).saturating_sub(taken);
+            if free > 0 && best.is_none_or(|(f, _)| free > f) {
+                best = Some((free, w));
+            }
+        }
+        best.map(|(_, w)| Pick {
+            id: w.record.worker_id.clone(),
+            rev: w.rev,
+            mod_rev: w.mod_rev,
+            ttl_ms: w.record.lease_ttl_ms + w.record.margin_ms,
+        })
+    }
+}

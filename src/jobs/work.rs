@@ -1,0 +1,98 @@
+//! The records the leader and the workers exchange through etcd, and nothing else: neither
+//! side imports the other.
+//! - `workers/<id>` ([`WorkerRecord`]): a live worker incarnation, on the worker's own lease;
+//!   its create revision names the incarnation.
+//! - `assignments/<worker>/<incarnation>/<job>` ([`Assignment`]): written by the leader in the
+//!   transaction that sets the registry entry RUNNING; its revision is the attempt's fencing
+//!   token (`BATON_TERM`). Never rewritten; deleted by whatever transaction ends it.
+//! - `attempts/<job>/<token>` ([`AttemptRecord`]): written by the worker: `started` before the
+//!   job execs, then `exited`, `lost` or `preempted` once its process group is gone, or
+//!   `rejected` instead of starting.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::spec::JobSpec;
+
+pub const WORKER_VERSION: u32 = 1;
+pub const ASSIGNMENT_VERSION: u32 = 1;
+pub const ATTEMPT_VERSION: u32 = 1;
+
+/// `workers/<id>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerRecord {
+    pub version: u32,
+    pub worker_id: String,
+    pub advertise: String,
+    /// Jobs it runs at once.
+    pub capacity: u32,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub draining: bool,
+    /// RFC 3339.
+    pub started_at: String,
+    /// Its lease TTL: how long after losing touch its guards may still run a job.
+    pub lease_ttl_ms: u64,
+    /// Its guards stop a job this long before the lease could expire.
+    pub margin_ms: u64,
+    /// The leader takes an assignment back when no `started` came within this.
+    pub assign_timeout_ms: u64,
+}
+
+/// `assignments/<worker>/<incarnation>/<job>`: everything the worker needs to run the attempt.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Assignment {
+    pub version: u32,
+    pub job_id: String,
+    /// `BATON_ATTEMPT`.
+    pub attempt: u32,
+    /// This attempt restarts one that a lost worker was running (`BATON_RECOVERED=1`).
+    #[serde(default)]
+    pub recovered: bool,
+    pub spec: JobSpec,
+    /// The leader's term that assigned it.
+    pub term: i64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptState {
+    /// The worker accepted and is about to exec (written before the job starts).
+    Started,
+    /// The job ended on its own, by its timeout, or by a cancel.
+    Exited,
+    /// The worker could not prove its lease (or its key vanished) and killed the job.
+    Lost,
+    /// The worker was shut down and stopped the job; not the job's fault.
+    Preempted,
+    /// The worker refused the assignment (full, draining, could not start); nothing ran.
+    Rejected,
+}
+
+/// `attempts/<job>/<token>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    pub version: u32,
+    pub state: AttemptState,
+    pub worker: String,
+    pub worker_rev: i64,
+    pub attempt: u32,
+    /// The guard's pid on the worker's host.
+    #[serde(default)]
+    pub pid: i32,
+    #[serde(default)]
+    pub exit_code: Option<i32>,
+    #[serde(default)]
+    pub signal: Option<i32>,
+    /// `timeout` or `cancel` when the guard ended the job for those.
+    #[serde(default)]
+    pub killed_by: Option<String>,
+    /// The last 4 KiB of the attempt's output.
+    #[serde(default)]
+    pub log_tail: String,
+    #[serde(default)]
+    pub reason: Option<String>,
+    pub at_ms: u64,
+}

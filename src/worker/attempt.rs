@@ -1,0 +1,332 @@
+//! One assignment on this worker, from acceptance to the record of how it ended.
+//!
+//! Order of events, each a crash point that leaves a state the leader can read:
+//! 1. the guard is spawned held (it waits for its go, the first deadline);
+//! 2. `started` is written, comparing this incarnation's key and the assignment (no record
+//!    yet): a worker that is no longer this incarnation, or an assignment taken back, starts
+//!    nothing;
+//! 3. the go: the job execs under the guard, which is fed the lease's proven deadlines;
+//! 4. once the guard has reaped the job and found its group empty, `exited`, `lost` or
+//!    `preempted` is written comparing only the assignment, retried until it lands or the
+//!    leader has ended the assignment.
+//!
+//! Anything that fails after the guard exists ends with the guard gone and `rejected` written
+//! the same way, so a `started` that may have committed never stays without an end.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
+use tokio::sync::watch;
+
+use super::WorkerConfig;
+use crate::clock::BootInstant;
+use crate::exec::record::{self, KilledBy};
+use crate::exec::spawner::{self, Guard, Launch};
+use crate::jobs::records::now_ms;
+use crate::jobs::work::{Assignment, AttemptRecord, AttemptState, ATTEMPT_VERSION};
+use crate::store::{codec, Keys, Store};
+
+/// What the incarnation's loop wants from a running attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Control {
+    Run,
+    /// The job's cancel key appeared: SIGTERM, then SIGKILL after the grace.
+    Cancel,
+    /// The leader ended the assignment: kill, write nothing.
+    Revoked,
+    /// The incarnation is over (lease not provable, key gone): kill, record `lost`.
+    Lost,
+    /// The worker is shutting down: kill, record `preempted`.
+    Preempt,
+}
+
+/// What every attempt of one incarnation shares.
+pub(super) struct Incarnation {
+    pub(super) store: Store,
+    pub(super) keys: Keys,
+    pub(super) config: WorkerConfig,
+    /// The create revision of this incarnation's key.
+    pub(super) rev: i64,
+    pub(super) deadlines: watch::Receiver<BootInstant>,
+    /// Guards alive (the worker's own view of its capacity).
+    pub(super) processes: Arc<AtomicUsize>,
+}
+
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Runs assignment `a` (revision `token`) to its end. See the module doc.
+pub(super) async fn run(
+    inc: Arc<Incarnation>,
+    a: Assignment,
+    token: i64,
+    mut ctl: watch::Receiver<Control>,
+) {
+    let id = a.job_id.clone();
+    let cfg = &inc.config;
+    let base = AttemptRecord {
+        version: ATTEMPT_VERSION,
+        state: AttemptState::Rejected,
+        worker: cfg.worker_id.clone(),
+        worker_rev: inc.rev,
+        attempt: a.attempt,
+        pid: 0,
+        exit_code: None,
+        signal: None,
+        killed_by: None,
+        log_tail: String::new(),
+        reason: None,
+        at_ms: now_ms(),
+    };
+    let reject = |reason: String| AttemptRecord {
+        reason: Some(reason),
+        at_ms: now_ms(),
+        ..base.clone()
+    };
+    if *ctl.borrow() != Control::Run {
+        return;
+    }
+    if inc.processes.fetch_add(1, Ordering::SeqCst) >= cfg.capacity {
+        inc.processes.fetch_sub(1, Ordering::SeqCst);
+        tracing::info!(job_id = %id, token, "full: rejecting the assignment");
+        report(&inc, &id, token, reject("the worker is full".into())).await;
+        return;
+    }
+    let _slot = Slot(inc.processes.clone());
+    let dir = record::job_dir(&cfg.storage_dir, &id);
+    let name = format!("attempt-{}", a.attempt);
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        let why = format!("cannot create {}: {e}", dir.display());
+        report(&inc, &id, token, reject(why)).await;
+        return;
+    }
+    let mut env = a.spec.env.clone();
+    env.insert("BATON_JOB_ID".into(), id.clone());
+    env.insert("BATON_ATTEMPT".into(), a.attempt.to_string());
+    env.insert("BATON_JOB_DIR".into(), dir.display().to_string());
+    env.insert("BATON_TERM".into(), token.to_string());
+    env.insert("BATON_WORKER".into(), cfg.worker_id.clone());
+    if a.recovered {
+        env.insert("BATON_RECOVERED".into(), "1".into());
+    }
+    let launch = Launch {
+        guard: cfg.guard.clone(),
+        job_id: id.clone(),
+        attempt: a.attempt,
+        term: token,
+        dir: dir.clone(),
+        name: name.clone(),
+        go_within: cfg.assign_timeout,
+        command: a.spec.command.clone(),
+        env,
+        timeout: a.spec.timeout,
+    };
+    let mut guard = match spawner::spawn_held(launch).await {
+        Ok(g) => g,
+        Err(e) => {
+            tracing::error!(job_id = %id, error = %e, "cannot start the guard");
+            report(
+                &inc,
+                &id,
+                token,
+                reject(format!("cannot start the guard: {e}")),
+            )
+            .await;
+            return;
+        }
+    };
+    let started = AttemptRecord {
+        state: AttemptState::Started,
+        pid: guard.pid,
+        at_ms: now_ms(),
+        ..base.clone()
+    };
+    match accept(&inc, &id, token, &started).await {
+        Accept::Yes => {}
+        Accept::TakenAway => {
+            guard.feed.abandon();
+            let _ = (&mut guard.exited).await;
+            return;
+        }
+        Accept::Unknown(why) => {
+            guard.feed.abandon();
+            let _ = (&mut guard.exited).await;
+            report(&inc, &id, token, reject(why)).await;
+            return;
+        }
+    }
+    // The go.
+    let mut deadlines = inc.deadlines.clone();
+    guard.feed.deadline(*deadlines.borrow_and_update());
+    tracing::info!(job_id = %id, attempt = a.attempt, token, guard = guard.pid, "job started");
+    let why = supervise(&mut guard, &mut deadlines, &mut ctl).await;
+    if why == Control::Revoked {
+        tracing::info!(job_id = %id, token, "the leader ended the assignment; the job was stopped");
+        return;
+    }
+    let rec = record::read_exit(&dir, &name);
+    let mut end = AttemptRecord {
+        pid: guard.pid,
+        log_tail: record::log_tail(&record::log_path(&dir, &name)),
+        at_ms: now_ms(),
+        ..base.clone()
+    };
+    match rec {
+        Some(r)
+            if matches!(
+                r.killed_by,
+                None | Some(KilledBy::Timeout | KilledBy::Cancel)
+            ) =>
+        {
+            end.state = AttemptState::Exited;
+            end.exit_code = r.exit_code;
+            end.signal = r.signal;
+            end.killed_by = r.killed_by.map(|k| match k {
+                KilledBy::Timeout => "timeout".to_string(),
+                _ => "cancel".to_string(),
+            });
+        }
+        other => {
+            end.state = if why == Control::Preempt {
+                AttemptState::Preempted
+            } else {
+                AttemptState::Lost
+            };
+            end.signal = other.as_ref().and_then(|r| r.signal);
+            end.reason = Some(match other {
+                Some(_) if why == Control::Preempt => "the worker shut down".into(),
+                Some(_) => "the worker could not prove its lease".into(),
+                None => "the guard started nothing".into(),
+            });
+        }
+    }
+    tracing::info!(job_id = %id, token, state = ?end.state, exit_code = end.exit_code, "attempt ended");
+    report(&inc, &id, token, end).await;
+}
+
+/// Feeds deadlines and follows the loop's wishes until the guard is gone; returns the last wish.
+async fn supervise(
+    guard: &mut Guard,
+    deadlines: &mut watch::Receiver<BootInstant>,
+    ctl: &mut watch::Receiver<Control>,
+) -> Control {
+    let mut cancelled = false;
+    let mut act = |c: Control, guard: &Guard| match c {
+        Control::Run => {}
+        Control::Cancel if !cancelled => {
+            cancelled = true;
+            guard.feed.terminate();
+        }
+        Control::Cancel => {}
+        Control::Revoked | Control::Lost | Control::Preempt => guard.feed.abandon(),
+    };
+    act(*ctl.borrow_and_update(), guard);
+    let mut ctl_open = true;
+    let mut deadlines_open = true;
+    loop {
+        tokio::select! {
+            _ = &mut guard.exited => break,
+            changed = deadlines.changed(), if deadlines_open => match changed {
+                Ok(()) => guard.feed.deadline(*deadlines.borrow_and_update()),
+                Err(_) => deadlines_open = false,
+            },
+            changed = ctl.changed(), if ctl_open => match changed {
+                Ok(()) => act(*ctl.borrow_and_update(), guard),
+                Err(_) => ctl_open = false,
+            },
+        }
+    }
+    let last = *ctl.borrow();
+    last
+}
+
+enum Accept {
+    Yes,
+    /// The assignment is gone or this is no longer the incarnation: nothing to report.
+    TakenAway,
+    /// etcd did not answer in time: whether `started` committed is unknown.
+    Unknown(String),
+}
+
+/// Writes `started`, fenced by this incarnation's key and the assignment. A retry after a
+/// timeout recognises its own earlier commit by the record's pid.
+async fn accept(inc: &Incarnation, id: &str, token: i64, started: &AttemptRecord) -> Accept {
+    let k = &inc.keys;
+    let worker_key = k.worker(&inc.config.worker_id);
+    let assignment = k.assignment(&inc.config.worker_id, inc.rev, id);
+    let attempt = k.attempt(id, token);
+    let until = tokio::time::Instant::now() + inc.config.assign_timeout / 2;
+    let mut last = String::new();
+    while tokio::time::Instant::now() < until {
+        let txn = Txn::new()
+            .when([
+                Compare::create_revision(worker_key.clone(), CompareOp::Equal, inc.rev),
+                Compare::mod_revision(assignment.clone(), CompareOp::Equal, token),
+                Compare::version(attempt.clone(), CompareOp::Equal, 0),
+            ])
+            .and_then([TxnOp::put(attempt.clone(), codec::encode(started), None)])
+            .or_else([TxnOp::get(attempt.clone(), None)]);
+        let mut c = inc.store.client();
+        match inc.store.timed("accept assignment", c.txn(txn)).await {
+            Ok(r) if r.succeeded() => return Accept::Yes,
+            Ok(r) => {
+                let mine = r.op_responses().into_iter().any(|op| match op {
+                    TxnOpResponse::Get(g) => g.kvs().first().is_some_and(|kv| {
+                        codec::decode::<AttemptRecord>(kv.key(), kv.value(), ATTEMPT_VERSION)
+                            .is_ok_and(|rec| {
+                                rec.state == AttemptState::Started && rec.pid == started.pid
+                            })
+                    }),
+                    _ => false,
+                });
+                return if mine { Accept::Yes } else { Accept::TakenAway };
+            }
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Accept::Unknown(format!("could not record the start: {last}"))
+}
+
+/// Writes how the attempt ended, comparing only the assignment: retried until it lands or the
+/// leader has ended the assignment (then there is nobody left to tell).
+async fn report(inc: &Incarnation, id: &str, token: i64, rec: AttemptRecord) {
+    let k = &inc.keys;
+    let assignment = k.assignment(&inc.config.worker_id, inc.rev, id);
+    let attempt = k.attempt(id, token);
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let txn = Txn::new()
+            .when([Compare::mod_revision(
+                assignment.clone(),
+                CompareOp::Equal,
+                token,
+            )])
+            .and_then([TxnOp::put(attempt.clone(), codec::encode(&rec), None)]);
+        let mut c = inc.store.client();
+        match inc.store.timed("report attempt", c.txn(txn)).await {
+            Ok(r) => {
+                if !r.succeeded() {
+                    tracing::info!(
+                        job_id = id,
+                        token,
+                        "the assignment was already ended; nothing reported"
+                    );
+                }
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(job_id = id, token, error = %e, "cannot report the attempt yet; retrying");
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+}

@@ -1,0 +1,130 @@
+//! Registration of a worker incarnation, and what is left of earlier ones.
+
+use std::time::Duration;
+
+use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
+use tokio_util::sync::CancellationToken;
+
+use super::WorkerConfig;
+use crate::election::Lease;
+use crate::exec::record;
+use crate::jobs::work::{WorkerRecord, WORKER_VERSION};
+use crate::store::{codec, Keys, Store};
+
+/// Puts `workers/<id>` on `lease` if absent, waiting (while the lease holds) for an earlier
+/// incarnation's key to go. Returns the new key's create revision; `None` if stopped or the
+/// lease was lost meanwhile.
+pub(super) async fn register(
+    store: &Store,
+    keys: &Keys,
+    config: &WorkerConfig,
+    lease: &Lease,
+    stop: &CancellationToken,
+) -> Option<i64> {
+    let key = keys.worker(&config.worker_id);
+    let record = WorkerRecord {
+        version: WORKER_VERSION,
+        worker_id: config.worker_id.clone(),
+        advertise: config.advertise.clone(),
+        capacity: config.capacity as u32,
+        labels: config.labels.clone(),
+        draining: false,
+        started_at: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        lease_ttl_ms: config.lease_ttl.as_millis() as u64,
+        margin_ms: config.guard.margin.as_millis() as u64,
+        assign_timeout_ms: config.assign_timeout.as_millis() as u64,
+    };
+    let mut told = false;
+    loop {
+        if stop.is_cancelled() || lease.lost().is_cancelled() {
+            return None;
+        }
+        let txn = Txn::new()
+            .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key.clone(),
+                codec::encode(&record),
+                Some(PutOptions::new().with_lease(lease.id())),
+            )]);
+        let mut c = store.client();
+        match store.timed("register worker", c.txn(txn)).await {
+            Ok(r) if r.succeeded() => return r.header().map(|h| h.revision()),
+            Ok(_) => {
+                if !told {
+                    told = true;
+                    tracing::info!(worker = %config.worker_id, "an earlier incarnation's key is still there; waiting for it to go");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(worker = %config.worker_id, error = %e, "cannot register; retrying")
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+            _ = stop.cancelled() => return None,
+            _ = lease.lost().cancelled() => return None,
+        }
+    }
+}
+
+/// Revokes a lost incarnation's lease once etcd answers (its key, if still there, goes with
+/// it), so the next registration does not wait a TTL.
+pub(super) async fn revoke_until_gone(store: &Store, lease: &Lease, stop: &CancellationToken) {
+    lease.stop();
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let mut c = store.client();
+        match store
+            .timed("lease revoke", c.lease_revoke(lease.id()))
+            .await
+        {
+            Ok(_) => return,
+            Err(e) if e.is_lease_not_found() => return,
+            Err(e) => {
+                tracing::debug!(lease = lease.id(), error = %e, "cannot revoke the lost lease yet")
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = stop.cancelled() => return,
+        }
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// At start the worker runs nothing: folders of jobs that no longer exist go (their results
+/// are clean). Folders of live jobs stay: on a shared scratch folder, another worker may run
+/// them.
+pub(super) async fn sweep(store: &Store, keys: &Keys, config: &WorkerConfig) {
+    let root = record::job_dir(&config.storage_dir, "x");
+    let Some(root) = root.parent() else { return };
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let Some(id) = entry.file_name().to_str().map(str::to_owned) else {
+            continue;
+        };
+        if crate::jobs::spec::validate_id(&id).is_err() {
+            continue;
+        }
+        let mut c = store.client();
+        let get = c.get(
+            keys.job(&id).spec,
+            Some(GetOptions::new().with_count_only()),
+        );
+        match store.timed("sweep", get).await {
+            Ok(r) if r.count() == 0 => {
+                if std::fs::remove_dir_all(entry.path()).is_ok() {
+                    removed += 1;
+                }
+            }
+            Ok(_) => {}
+            Err(_) => return,
+        }
+    }
+    if removed > 0 {
+        tracing::info!(worker = %config.worker_id, folders = removed, "removed folders of finished jobs");
+    }
+}

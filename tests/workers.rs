@@ -1,0 +1,294 @@
+//! Workers apart from leadership, on real processes and a real etcd: a leader change restarts
+//! nothing, a rolling restart of the coordinators restarts nothing, a lost worker's jobs move
+//! only once they cannot be running any more, an exit during a short outage is recorded once,
+//! an unanswered assignment is taken back, and jobs wait for a worker when there is none.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use baton::exec::record::KilledBy;
+use support::*;
+
+const LONG: Duration = Duration::from_secs(60);
+
+/// Coordinators only, `workers` separate workers with `worker_args`, cleanup held (folders stay).
+fn opts(workers: usize, worker_args: &[&str]) -> Options {
+    Options {
+        embedded: false,
+        workers,
+        worker_args: worker_args.iter().map(|s| s.to_string()).collect(),
+        extra_args: vec!["--cleanup-pause-after-stage".into(), "0".into()],
+        ..Options::default()
+    }
+}
+
+/// A job that notes each of its executions in `out/<id>` and runs until `out/release` exists.
+fn held(out: &Path) -> JobSpec {
+    let mut spec = sh(
+        "echo \"$BATON_ATTEMPT $BATON_WORKER\" >> \"$OUT/$BATON_JOB_ID\"; \
+         while [ ! -e \"$OUT/release\" ]; do sleep 0.1; done",
+    );
+    spec.env.insert("OUT".into(), out.display().to_string());
+    spec
+}
+
+fn runs(out: &Path, id: &str) -> usize {
+    line_count(&out.join(id))
+}
+
+fn scratch(c: &Cluster) -> PathBuf {
+    let d = c.dir.path().join("out");
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Every job started once and each still runs its first attempt; then they are released and
+/// finish with one attempt and no recovery each.
+async fn all_ran_once(c: &Cluster, out: &Path, ids: &[String]) -> usize {
+    let all = c.all_indices();
+    std::fs::write(out.join("release"), "").unwrap();
+    let mut restarts = 0;
+    for id in ids {
+        let j = c.wait_job(&all, id, LONG, "terminal", terminal).await;
+        assert_eq!(state(&j), JobState::Finished, "{id}: {j:?}");
+        restarts += runs(out, id) - 1;
+        assert_eq!((j.attempts, j.recoveries), (1, 0), "{id}: {j:?}");
+    }
+    restarts
+}
+
+async fn submit_held(c: &Cluster, out: &Path, n: usize) -> Vec<String> {
+    let ids: Vec<String> = (0..n).map(|i| format!("h{i}")).collect();
+    for id in &ids {
+        c.submit(0, id, held(out)).await;
+    }
+    for id in &ids {
+        wait_until("every job to start", LONG, || runs(out, id) == 1).await;
+    }
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_sigkill_handover_and_resign_restart_none_of_twenty_jobs_on_workers() {
+    let mut c = Cluster::start(opts(2, &[]));
+    let (_, first) = c.leader_index().await;
+    c.wait_workers(&["w1", "w2"]).await;
+    let out = scratch(&c);
+    let ids = submit_held(&c, &out, 20).await;
+    let spread: std::collections::BTreeSet<String> = ids
+        .iter()
+        .map(|id| std::fs::read_to_string(out.join(id)).unwrap())
+        .collect();
+    assert!(spread.len() == 2, "jobs go to both workers: {spread:?}");
+
+    // SIGKILL of the leader.
+    let (k, _) = c.leader_index().await;
+    c.replicas[k].sigkill();
+    let (k2, second) = c.wait_new_leader(&c.others(k), first.term).await;
+    c.replicas[k].restart().unwrap();
+    // SIGTERM handover.
+    c.replicas[k2].sigterm();
+    assert!(c.replicas[k2].wait_exit(Duration::from_secs(20)).is_some());
+    let (_, third) = c.wait_new_leader(&c.others(k2), second.term).await;
+    c.replicas[k2].restart().unwrap();
+    // `leader resign`.
+    let eps: Vec<String> = c.replicas.iter().map(|r| r.listen().to_string()).collect();
+    let resign = std::process::Command::new(BIN)
+        .args(["leader", "resign", "--endpoints", &eps.join(",")])
+        .output()
+        .unwrap();
+    assert!(resign.status.success(), "{resign:?}");
+    c.wait_new_leader(&c.all_indices(), third.term).await;
+
+    for id in &ids {
+        assert_eq!(runs(&out, id), 1, "{id} was restarted by a leader change");
+        let e = c.registry_entry(id).await.expect("still running");
+        assert_eq!(e["status"], "RUNNING", "{id}: {e}");
+        assert_eq!(e["attempt"], 1, "{id}: {e}");
+    }
+    assert_eq!(all_ran_once(&c, &out, &ids).await, 0);
+    c.checked_terms();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_of_three_coordinators_restarts_nothing() {
+    let mut c = Cluster::start(opts(2, &[]));
+    c.leader_index().await;
+    c.wait_workers(&["w1", "w2"]).await;
+    let out = scratch(&c);
+    let ids = submit_held(&c, &out, 6).await;
+    for i in 0..3 {
+        c.replicas[i].sigterm();
+        assert!(c.replicas[i].wait_exit(Duration::from_secs(20)).is_some());
+        c.replicas[i].restart().unwrap();
+        c.leader_index().await;
+    }
+    let (k, l) = c.leader_index().await;
+    c.replicas[k].sigkill();
+    c.wait_new_leader(&c.others(k), l.term).await;
+    let restarts = all_ran_once(&c, &out, &ids).await;
+    println!(
+        "rolling restart of 3 coordinators and a leader SIGKILL: {restarts} restarts over {} jobs",
+        ids.len()
+    );
+    assert_eq!(restarts, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_exits_during_a_short_worker_outage_is_recorded_once() {
+    let c = Cluster::start(Options {
+        ttl: Duration::from_secs(6),
+        proxied: true,
+        ..opts(1, &[])
+    });
+    c.leader_index().await;
+    c.wait_workers(&["w1"]).await;
+    let out = scratch(&c);
+    let mut spec = sh("echo run >> \"$OUT/brief\"; sleep 1; exit 0");
+    spec.env.insert("OUT".into(), out.display().to_string());
+    c.submit(0, "brief", spec).await;
+    wait_until("the job to start", LONG, || runs(&out, "brief") == 1).await;
+    c.worker_proxies[0].set_mode(baton::devcluster::Mode::Blackhole);
+    wait_until("the job to exit while its worker is cut off", LONG, || {
+        c.exit_record("brief", 1).is_some()
+    })
+    .await;
+    assert_eq!(c.exit_record("brief", 1).unwrap().killed_by, None);
+    c.worker_proxies[0].set_mode(baton::devcluster::Mode::Pass);
+    let j = c
+        .wait_job(&c.all_indices(), "brief", LONG, "terminal", terminal)
+        .await;
+    assert_eq!(state(&j), JobState::Finished, "{j:?}");
+    assert_eq!((j.attempts, j.recoveries), (1, 0));
+    assert_eq!(runs(&out, "brief"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_cut_off_beyond_its_ttl_kills_its_job_before_it_runs_elsewhere() {
+    let mut c = Cluster::start(Options {
+        proxied: true,
+        ..opts(1, &[])
+    });
+    c.leader_index().await;
+    c.wait_workers(&["w1"]).await;
+    let out = scratch(&c);
+    let mut spec = sh("echo run >> \"$OUT/cut\"; [ \"$BATON_ATTEMPT\" = 1 ] && sleep 60; exit 0");
+    spec.env.insert("OUT".into(), out.display().to_string());
+    c.submit(0, "cut", spec).await;
+    wait_until("the job to start", LONG, || runs(&out, "cut") == 1).await;
+    c.add_worker(&[]);
+    c.wait_workers(&["w1", "w2"]).await;
+    c.worker_proxies[0].set_mode(baton::devcluster::Mode::Blackhole);
+    let j = c
+        .wait_job(&c.all_indices(), "cut", LONG, "terminal", terminal)
+        .await;
+    assert_eq!(state(&j), JobState::Finished);
+    let first = c.exit_record("cut", 1).unwrap();
+    let second = c.exit_record("cut", 2).unwrap();
+    assert_eq!(first.killed_by, Some(KilledBy::Deadline));
+    assert!(
+        first.ended_boottime_ns < second.started_boottime_ns,
+        "overlap: {first:?} {second:?}"
+    );
+    c.worker_proxies[0].set_mode(baton::devcluster::Mode::Pass);
+    c.wait_workers(&["w1", "w2"]).await;
+    assert_eq!(runs(&out, "cut"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_key_revoked_early_stops_its_job_before_it_runs_elsewhere() {
+    let mut c = Cluster::start(opts(1, &[]));
+    c.leader_index().await;
+    c.wait_workers(&["w1"]).await;
+    let out = scratch(&c);
+    let mut spec =
+        sh("echo run >> \"$OUT/revoked\"; [ \"$BATON_ATTEMPT\" = 1 ] && sleep 60; exit 0");
+    spec.env.insert("OUT".into(), out.display().to_string());
+    c.submit(0, "revoked", spec).await;
+    wait_until("the job to start", LONG, || runs(&out, "revoked") == 1).await;
+    c.add_worker(&[]);
+    c.wait_workers(&["w1", "w2"]).await;
+    let mut client = etcd_client::Client::connect(c.etcd.endpoints(), None)
+        .await
+        .unwrap();
+    let kv = client
+        .get("/baton/test/workers/w1", None)
+        .await
+        .unwrap()
+        .kvs()
+        .first()
+        .cloned()
+        .unwrap();
+    client.lease_revoke(kv.lease()).await.unwrap();
+    let j = c
+        .wait_job(&c.all_indices(), "revoked", LONG, "terminal", terminal)
+        .await;
+    assert_eq!(state(&j), JobState::Finished);
+    let first = c.exit_record("revoked", 1).unwrap();
+    let second = c.exit_record("revoked", 2).unwrap();
+    assert!(
+        first.ended_boottime_ns < second.started_boottime_ns,
+        "overlap: {first:?} {second:?}"
+    );
+    c.wait_workers(&["w1", "w2"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_assignment_nobody_answers_is_taken_back_and_runs_elsewhere() {
+    let mut c = Cluster::start(opts(1, &["--lease-ttl", "30s", "--assign-timeout", "2s"]));
+    c.leader_index().await;
+    c.wait_workers(&["w1"]).await;
+    c.workers[0].pause();
+    let out = scratch(&c);
+    let mut spec = sh("echo \"$BATON_WORKER\" >> \"$OUT/unanswered\"");
+    spec.env.insert("OUT".into(), out.display().to_string());
+    c.submit(0, "unanswered", spec).await;
+    wait_for(
+        "the job to be assigned to the frozen worker",
+        LONG,
+        || async {
+            let e = c.registry_entry("unanswered").await?;
+            (e["worker"] == "w1").then_some(())
+        },
+    )
+    .await;
+    wait_for("the assignment to be taken back", LONG, || async {
+        let e = c.registry_entry("unanswered").await?;
+        (e["status"] == "PENDING" && e["attempt"] == 0).then_some(())
+    })
+    .await;
+    c.add_worker(&[]);
+    let j = c
+        .wait_job(&c.all_indices(), "unanswered", LONG, "terminal", terminal)
+        .await;
+    assert_eq!(state(&j), JobState::Finished);
+    assert_eq!(j.attempts, 1, "a reclaimed assignment is not an attempt");
+    c.workers[0].resume();
+    c.wait_workers(&["w1", "w2"]).await;
+    let ran = std::fs::read_to_string(out.join("unanswered")).unwrap();
+    assert_eq!(ran, "w2\n", "only the live worker ran it");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_live_worker_jobs_wait_with_the_reason_and_start_when_one_registers() {
+    let mut c = Cluster::start(opts(0, &[]));
+    c.leader_index().await;
+    c.submit(0, "patient", sh("exit 0")).await;
+    let j = c
+        .wait_job(&[1], "patient", LONG, "pending", |j| {
+            state(j) == JobState::Pending
+        })
+        .await;
+    assert!(
+        j.waiting_reason.contains("no live worker"),
+        "{}",
+        j.waiting_reason
+    );
+    c.add_worker(&[]);
+    let j = c
+        .wait_job(&[2], "patient", LONG, "terminal", terminal)
+        .await;
+    assert_eq!(state(&j), JobState::Finished);
+}
