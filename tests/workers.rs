@@ -128,6 +128,7 @@ async fn a_rolling_restart_of_three_coordinators_restarts_nothing() {
     let (k, l) = c.leader_index().await;
     c.replicas[k].sigkill();
     c.wait_new_leader(&c.others(k), l.term).await;
+    c.replicas[k].restart().unwrap();
     let restarts = all_ran_once(&c, &out, &ids).await;
     println!(
         "rolling restart of 3 coordinators and a leader SIGKILL: {restarts} restarts over {} jobs",
@@ -291,4 +292,79 @@ async fn without_a_live_worker_jobs_wait_with_the_reason_and_start_when_one_regi
         .wait_job(&[2], "patient", LONG, "terminal", terminal)
         .await;
     assert_eq!(state(&j), JobState::Finished);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_of_a_replica_preempts_its_embedded_workers_jobs_which_restart_at_once_uncounted() {
+    let mut c = Cluster::start(Options {
+        ttl: Duration::from_secs(10),
+        extra_args: vec!["--cleanup-pause-after-stage".into(), "0".into()],
+        ..Options::default()
+    });
+    c.leader_index().await;
+    c.wait_workers(&["r1", "r2", "r3"]).await;
+    let out = scratch(&c);
+    let ids = submit_held(&c, &out, 3).await;
+    let on = |id: &str| {
+        std::fs::read_to_string(out.join(id))
+            .unwrap()
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+            .to_string()
+    };
+    let victim = on(&ids[0]);
+    let k = c.index_of(&victim);
+    let stopped = std::time::Instant::now();
+    c.replicas[k].sigterm();
+    assert!(c.replicas[k].wait_exit(Duration::from_secs(30)).is_some());
+    for id in ids.iter().filter(|id| on(id) == victim) {
+        wait_until("the preempted job to run again elsewhere", LONG, || {
+            runs(&out, id) == 2
+        })
+        .await;
+    }
+    // Far sooner than the worker's TTL: the preempted record says the job is stopped.
+    assert!(stopped.elapsed() < c.ttl, "{:?}", stopped.elapsed());
+    std::fs::write(out.join("release"), "").unwrap();
+    for id in &ids {
+        let j = c
+            .wait_job(&c.others(k), id, LONG, "terminal", terminal)
+            .await;
+        assert_eq!(state(&j), JobState::Finished, "{id}: {j:?}");
+        assert_eq!(j.recoveries, 0, "a preemption is not a recovery: {j:?}");
+        assert_eq!(j.failed_attempts, 0, "{j:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_1_running_entry_of_an_older_leader_is_rescheduled() {
+    let mut c = Cluster::start(opts(0, &[]));
+    c.leader_index().await;
+    let out = scratch(&c);
+    let mut spec = sh("env | grep ^BATON_RECOVERED >> \"$OUT/old\"; exit 0");
+    spec.env.insert("OUT".into(), out.display().to_string());
+    c.submit(0, "old", spec).await;
+    // What a previous release's leader left: a version 1 RUNNING entry it ran itself.
+    let mut client = etcd_client::Client::connect(c.etcd.endpoints(), None)
+        .await
+        .unwrap();
+    client
+        .put(
+            "/baton/test/registry/old",
+            r#"{"version":1,"status":"RUNNING","attempt":1,"failed_attempts":0,"recoveries":0,"term":1}"#,
+            None,
+        )
+        .await
+        .unwrap();
+    c.add_worker(&[]);
+    let j = c
+        .wait_job(&c.all_indices(), "old", LONG, "terminal", terminal)
+        .await;
+    assert_eq!(state(&j), JobState::Finished, "{j:?}");
+    assert_eq!((j.attempts, j.recoveries), (2, 1), "{j:?}");
+    assert_eq!(
+        std::fs::read_to_string(out.join("old")).unwrap(),
+        "BATON_RECOVERED=1\n"
+    );
 }

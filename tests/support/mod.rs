@@ -460,8 +460,19 @@ impl Cluster {
         .unwrap()
     }
 
+    /// `None` also while replica `i` does not answer (killed, or restarting).
     pub async fn get_job(&self, i: usize, id: &str) -> Option<Job> {
-        let mut c = self.jobs(i).await;
+        let ch = tonic::transport::Endpoint::from_shared(format!(
+            "http://{}",
+            self.replicas[i].listen()
+        ))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .ok()?;
+        let mut c = JobServiceClient::new(ch);
         c.get_job(GetJobRequest { job_id: id.into() })
             .await
             .ok()
