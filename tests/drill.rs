@@ -1,5 +1,6 @@
 //! The chaos suite's short drills: every fault kind once against a real local cluster, with all
-//! six invariants checked, and the negative control that proves the checks can fail.
+//! seven invariants checked, every worker fault with separate workers, and the negative control
+//! that proves the checks can fail.
 
 mod support;
 
@@ -44,9 +45,39 @@ fn a_short_drill_of_every_replica_fault_holds_every_invariant() {
         "no fault cut a running job"
     );
     let invariants = report["invariants"].as_array().unwrap();
-    assert_eq!(invariants.len(), 6);
+    assert_eq!(invariants.len(), 7);
     assert!(invariants.iter().all(|v| v["passed"] == true), "{out}");
     assert_eq!(report["submitted"], 50);
+}
+
+#[test]
+fn a_drill_of_worker_faults_with_separate_workers_holds_every_invariant() {
+    let (code, out, err) = drill(&[
+        "--workers",
+        "2",
+        "--faults",
+        "kill,worker-kill,worker-term,worker-pause,worker-partition",
+        "--jobs",
+        "40",
+        "--rate",
+        "5",
+        "--seed",
+        "4",
+        "--json",
+    ]);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let invariants = report["invariants"].as_array().unwrap();
+    assert_eq!(invariants.len(), 7);
+    assert!(invariants.iter().all(|v| v["passed"] == true), "{out}");
+    let rounds = report["rounds"].as_array().unwrap();
+    assert!(
+        rounds
+            .iter()
+            .filter(|r| r["fault"] == "kill")
+            .all(|r| r["restarted"] == 0),
+        "a leader kill restarts nothing when workers are separate: {out}"
+    );
 }
 
 #[test]
@@ -101,6 +132,9 @@ fn bad_drill_settings_are_refused() {
     let (code, _, err) = drill(&["--faults", "etcd-kill"]);
     assert_ne!(code, Some(0));
     assert!(err.contains("needs --etcd-members 3"), "{err}");
+    let (code, _, err) = drill(&["--faults", "worker-kill"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("needs separate workers"), "{err}");
     let (code, _, err) = drill(&["--faults", "meteor"]);
     assert_ne!(code, Some(0));
     assert!(err.contains("unknown fault"), "{err}");

@@ -10,6 +10,10 @@ pub struct DrillArgs {
     /// Baton replicas to run.
     #[arg(long, default_value_t = 3)]
     pub replicas: usize,
+    /// Separate workers (`baton worker`); the replicas then only coordinate
+    /// (`--worker=false`). 0: every replica runs an embedded worker.
+    #[arg(long, default_value_t = 0)]
+    pub workers: usize,
     /// etcd members (3 allows the etcd-kill fault).
     #[arg(long, default_value_t = 1)]
     pub etcd_members: usize,
@@ -17,8 +21,9 @@ pub struct DrillArgs {
     pub etcd_bin: PathBuf,
     #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
     pub lease_ttl: Duration,
-    /// Comma-separated: kill, term, pause, partition, etcd-kill, follower-kill (default: all
-    /// that fit the cluster).
+    /// Comma-separated: kill, term, pause, partition (of the leader), etcd-kill, follower-kill,
+    /// worker-kill, worker-term, worker-pause, worker-partition (default: all that fit the
+    /// cluster).
     #[arg(long, value_delimiter = ',')]
     pub faults: Vec<String>,
     #[arg(long, default_value_t = 1)]
@@ -78,4 +83,8 @@ pub const ALL_FAULTS: &[&str] = &[
     "partition",
     "etcd-kill",
     "follower-kill",
+    "worker-kill",
+    "worker-term",
+    "worker-pause",
+    "worker-partition",
 ];

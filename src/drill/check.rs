@@ -16,7 +16,7 @@ use crate::jobs::records::{self, JobResult};
 use crate::rolelog;
 use crate::store::codec;
 
-/// One of the six guarantees.
+/// One of the seven guarantees.
 #[derive(Clone, Debug, Serialize)]
 pub struct Invariant {
     pub number: u8,
@@ -101,8 +101,9 @@ async fn all(lab: &Target, suffix: &str) -> anyhow::Result<Vec<(String, Vec<u8>)
     }
 }
 
-/// Waits (bounded) until some job is RUNNING, so a fault has work to interrupt.
-pub async fn wait_running(lab: &Target, within: Duration) {
+/// Waits (bounded) until some job is RUNNING (on worker `on`, if given), so a fault has work
+/// to interrupt.
+pub async fn wait_running(lab: &Target, within: Duration, on: Option<&str>) {
     let until = Instant::now() + within;
     while Instant::now() < until {
         if let Ok(entries) = all(lab, "registry/").await {
@@ -112,7 +113,10 @@ pub async fn wait_running(lab: &Target, within: Duration) {
                     v,
                     records::REGISTRY_VERSIONS_READ,
                 )
-                .is_ok_and(|e| e.status == records::RegistryStatus::Running)
+                .is_ok_and(|e| {
+                    e.status == records::RegistryStatus::Running
+                        && on.is_none_or(|w| e.worker.as_deref() == Some(w))
+                })
             });
             if running {
                 return;
@@ -190,6 +194,7 @@ struct Execution {
     start_ms: u64,
     end_ns: Option<u64>,
     exit: Option<crate::exec::record::ExitRecord>,
+    worker: Option<String>,
 }
 
 fn executions(l: &[LedgerEntry]) -> HashMap<String, Vec<Execution>> {
@@ -202,6 +207,7 @@ fn executions(l: &[LedgerEntry]) -> HashMap<String, Vec<Execution>> {
             start_ms: e.unix_ms,
             end_ns: None,
             exit: None,
+            worker: e.worker.clone(),
         });
     }
     for e in l.iter().filter(|e| e.event == "end") {
@@ -380,11 +386,40 @@ pub async fn verify(
         "submissions kept succeeding during every fault",
         ev,
     ));
-    let _ = rounds;
+    // 7. Every execution that was cut off ran in a process a fault hit: a leader change alone
+    //    stops nothing.
+    let mut ev = Vec::new();
+    for (id, xs) in &execs {
+        for x in xs.iter().filter(|x| x.name.starts_with("attempt-")) {
+            let cut = x.exit.as_ref().is_some_and(|e| {
+                matches!(e.killed_by, Some(KilledBy::LeaderGone | KilledBy::Deadline))
+            });
+            if !cut {
+                continue;
+            }
+            let worker = x.worker.as_deref().unwrap_or("");
+            let explained = rounds.iter().any(|r| {
+                r.at_ns <= x.end_ns.unwrap_or(u64::MAX)
+                    && r.faulted.iter().any(|f| f == "*" || f == worker)
+            });
+            if !explained {
+                ev.push(format!(
+                    "{id}: {} (pid {}) on {worker:?} was stopped, and no fault hit {worker:?}",
+                    x.name, x.pid
+                ));
+            }
+        }
+    }
+    ev.truncate(8);
+    out.push(verdict(
+        7,
+        "no execution was stopped by a coordinator leader change (every cut is a worker's fault)",
+        ev,
+    ));
     if lab.ledger.is_none() {
         for v in out
             .iter_mut()
-            .filter(|v| matches!(v.invariant.number, 2 | 5))
+            .filter(|v| matches!(v.invariant.number, 2 | 5 | 7))
         {
             v.checked = false;
             v.passed = true;

@@ -55,6 +55,8 @@ impl Rng {
 pub(crate) struct Lab {
     pub etcd: EtcdCluster,
     pub replicas: Vec<ReplicaProcess>,
+    /// Separate workers; their proxies follow the replicas' in `proxies`.
+    pub workers: Vec<ReplicaProcess>,
     pub proxies: Vec<FaultProxy>,
     pub dir: PathBuf,
     pub ttl: Duration,
@@ -142,7 +144,10 @@ fn start_lab(args: &DrillArgs, dir: &std::path::Path) -> anyhow::Result<Lab> {
     let ledger = dir.join("executions.jsonl");
     let mut proxies = Vec::new();
     let mut replicas = Vec::new();
-    for i in 0..args.replicas.max(2) {
+    let mut workers = Vec::new();
+    let n_replicas = args.replicas.max(2);
+    for i in 0..n_replicas + args.workers {
+        let is_worker = i >= n_replicas;
         // Each replica reaches every etcd member through a proxy of its own per member? One
         // proxy to member 0 is enough to cut it off; the others stay direct only with 3 members.
         let target: SocketAddr = etcd.endpoints()[0].parse()?;
@@ -175,8 +180,18 @@ fn start_lab(args: &DrillArgs, dir: &std::path::Path) -> anyhow::Result<Lab> {
         if args.negative_control {
             extra.push("--unsafe-ignore-guard-deadlines".into());
         }
+        if is_worker {
+            // Only the worker's own flags: the coordinator's stay with the replicas.
+            extra.drain(4..10);
+        } else if args.workers > 0 {
+            extra.extend(["--worker".into(), "false".into()]);
+        }
         let spec = ReplicaSpec {
-            id: format!("r{}", i + 1),
+            id: if is_worker {
+                format!("w{}", i - n_replicas + 1)
+            } else {
+                format!("r{}", i + 1)
+            },
             bin: bin.clone(),
             etcd_endpoints: endpoints,
             cluster: "drill".into(),
@@ -184,17 +199,25 @@ fn start_lab(args: &DrillArgs, dir: &std::path::Path) -> anyhow::Result<Lab> {
             lease_ttl: args.lease_ttl,
             dir: dir.join("replicas"),
             extra_args: extra,
-            worker: false,
+            worker: is_worker,
         };
-        replicas.push(ReplicaProcess::spawn(spec)?);
+        let p = ReplicaProcess::spawn(spec)?;
+        if is_worker {
+            workers.push(p);
+        } else {
+            replicas.push(p);
+        }
     }
-    let mut by_replica: Vec<Vec<FaultProxy>> = (0..replicas.len()).map(|_| Vec::new()).collect();
+    let mut by_replica: Vec<Vec<FaultProxy>> = (0..replicas.len() + workers.len())
+        .map(|_| Vec::new())
+        .collect();
     for (i, p) in proxies {
         by_replica[i].push(p);
     }
     Ok(Lab {
         etcd,
         replicas,
+        workers,
         proxies: by_replica.into_iter().flatten().collect(),
         dir: dir.to_path_buf(),
         ttl: args.lease_ttl,
@@ -226,6 +249,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
         ALL_FAULTS
             .iter()
             .filter(|f| args.etcd_members >= 3 || **f != "etcd-kill")
+            .filter(|f| args.workers > 0 || !f.starts_with("worker-"))
             .map(|s| s.to_string())
             .collect()
     } else {
@@ -240,6 +264,10 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
         anyhow::ensure!(
             f != "etcd-kill" || args.etcd_members >= 3,
             "the etcd-kill fault needs --etcd-members 3 (one member down must leave a quorum)"
+        );
+        anyhow::ensure!(
+            !f.starts_with("worker-") || args.workers > 0,
+            "the {f} fault needs separate workers (--workers 2, say)"
         );
     }
     let (tmp, dir) = match &args.dir {
@@ -355,11 +383,17 @@ async fn inject(
     members: usize,
     rng: &mut Rng,
 ) -> anyhow::Result<Round> {
-    let leader_fault = !matches!(fault, "etcd-kill" | "follower-kill");
-    if leader_fault {
-        check::wait_running(&lab.target(), Duration::from_secs(10)).await;
+    if let Some(kind) = fault.strip_prefix("worker-") {
+        return worker_fault(lab, fault, kind, round, members, rng).await;
     }
-    let before = wait_leader(lab, Duration::from_secs(60)).await?;
+    let leader_fault = !matches!(fault, "etcd-kill" | "follower-kill");
+    let mut before = wait_leader(lab, Duration::from_secs(60)).await?;
+    if leader_fault {
+        // With embedded workers, the fault should cut something the leader's worker runs.
+        let on = lab.workers.is_empty().then_some(before.replica_id.as_str());
+        check::wait_running(&lab.target(), Duration::from_secs(10), on).await;
+        before = wait_leader(lab, Duration::from_secs(60)).await?;
+    }
     let k = lab
         .index_of(&before.replica_id)
         .context("the leader is not one of ours")?;
@@ -368,6 +402,9 @@ async fn inject(
         .unwrap_or(0);
     let t0 = Instant::now();
     let b0 = BootInstant::now();
+    // Whose executions this fault may cut: the leader's embedded worker, the follower's, or
+    // (etcd down) anyone's.
+    let mut faulted = vec![before.replica_id.clone()];
     match fault {
         "kill" => lab.replicas[k].sigkill(),
         "term" => lab.replicas[k].sigterm(),
@@ -375,6 +412,7 @@ async fn inject(
         "partition" => lab.set_net(k, Mode::Blackhole, members),
         "etcd-kill" => {
             let m = rng.below(lab.etcd.size() as u64) as usize;
+            faulted = vec!["*".into()];
             lab.etcd.kill_member(m);
             tokio::time::sleep(lab.ttl * 2).await;
             lab.etcd.restart_member(m)?;
@@ -382,6 +420,7 @@ async fn inject(
         "follower-kill" => {
             let f =
                 (k + 1 + rng.below(lab.replicas.len() as u64 - 1) as usize) % lab.replicas.len();
+            faulted = vec![lab.replicas[f].id().to_string()];
             lab.replicas[f].sigkill();
             tokio::time::sleep(Duration::from_millis(500)).await;
             lab.replicas[f].restart()?;
@@ -450,5 +489,64 @@ async fn inject(
         jobs_running_again_ms: resumed.map(|b| b0.until(b).as_millis() as u64),
         restarted: check::restarted_in(&lab.target(), b0, new_term),
         cleanups_resumed: if leader_fault { dirty_before } else { 0 },
+        faulted,
+        at_ns: b0.as_nanos(),
+    })
+}
+
+/// Injects a fault on a separate worker (`kind`: kill, term, pause, partition), holds it long
+/// enough for the leader to move the worker's jobs, and undoes it.
+async fn worker_fault(
+    lab: &mut Lab,
+    fault: &str,
+    kind: &str,
+    round: usize,
+    members: usize,
+    rng: &mut Rng,
+) -> anyhow::Result<Round> {
+    let before = wait_leader(lab, Duration::from_secs(60)).await?;
+    let w = rng.below(lab.workers.len() as u64) as usize;
+    let id = lab.workers[w].id().to_string();
+    check::wait_running(&lab.target(), Duration::from_secs(10), Some(&id)).await;
+    let node = lab.replicas.len() + w;
+    let b0 = BootInstant::now();
+    match kind {
+        "kill" => {
+            lab.workers[w].sigkill();
+            tokio::time::sleep(lab.ttl).await;
+            lab.workers[w].restart()?;
+        }
+        "term" => {
+            lab.workers[w].sigterm();
+            lab.workers[w].wait_exit(Duration::from_secs(30));
+            lab.workers[w].restart()?;
+        }
+        "pause" => {
+            // Beyond its key's expiry plus the TTL and margin the leader waits after it.
+            lab.workers[w].pause();
+            tokio::time::sleep(lab.ttl * 4).await;
+            lab.workers[w].resume();
+        }
+        "partition" => {
+            lab.set_net(node, Mode::Blackhole, members);
+            tokio::time::sleep(lab.ttl * 4).await;
+            lab.set_net(node, Mode::Pass, members);
+        }
+        _ => unreachable!("checked"),
+    }
+    let after = wait_leader(lab, Duration::from_secs(60)).await?;
+    let resumed = check::first_start_after(&lab.target(), b0, 0);
+    Ok(Round {
+        round,
+        fault: fault.to_string(),
+        old_leader: before.replica_id,
+        new_leader: after.replica_id,
+        no_leader_ms: None,
+        serving_ms: None,
+        jobs_running_again_ms: resumed.map(|b| b0.until(b).as_millis() as u64),
+        restarted: check::restarted_in(&lab.target(), b0, 0),
+        cleanups_resumed: 0,
+        faulted: vec![id],
+        at_ns: b0.as_nanos(),
     })
 }

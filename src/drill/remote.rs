@@ -107,7 +107,7 @@ pub async fn run(args: DrillArgs, seed: u64) -> anyhow::Result<i32> {
             if !control.may_inject(round) {
                 break 'faults;
             }
-            check::wait_running(&target, Duration::from_secs(10)).await;
+            check::wait_running(&target, Duration::from_secs(10), None).await;
             let (before, _) = leader(&client)
                 .await
                 .context("no leader before the fault")?;
@@ -125,6 +125,7 @@ pub async fn run(args: DrillArgs, seed: u64) -> anyhow::Result<i32> {
                 .await
                 .unwrap_or(0);
             let t0 = Instant::now();
+            let b0 = crate::clock::BootInstant::now();
             let template = if fault == "term" {
                 &args.term_cmd
             } else {
@@ -168,6 +169,8 @@ pub async fn run(args: DrillArgs, seed: u64) -> anyhow::Result<i32> {
                 jobs_running_again_ms: None,
                 restarted: 0,
                 cleanups_resumed: if fault == "follower-kill" { 0 } else { dirty },
+                faulted: vec![victim.clone()],
+                at_ns: b0.as_nanos(),
             };
             control.say(&super::report::round_line(&r));
             control.fault_done();

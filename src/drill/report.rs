@@ -24,6 +24,10 @@ pub struct Round {
     pub restarted: usize,
     /// Dirty results at the moment of the fault, which the next leader resumed.
     pub cleanups_resumed: i64,
+    /// The processes (replica or worker ids; `*`: all) whose executions this fault may cut.
+    pub faulted: Vec<String>,
+    /// When the fault was injected (CLOCK_BOOTTIME ns).
+    pub at_ns: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -45,7 +49,7 @@ fn ms(v: Option<u64>) -> String {
 
 pub fn round_line(r: &Round) -> String {
     format!(
-        "{:>5}  {:<13} {:<4} -> {:<4} {:>10} {:>10} {:>12} {:>9} {:>9}",
+        "{:>5}  {:<16} {:<4} -> {:<4} {:>10} {:>10} {:>12} {:>9} {:>9}",
         r.round,
         r.fault,
         r.old_leader,
@@ -119,8 +123,8 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "round  fault         leader        no-leader    serving  jobs-again  restarted  cleanups\n{}",
-            "-".repeat(92)
+            "round  fault            leader        no-leader    serving  jobs-again  restarted  cleanups\n{}",
+            "-".repeat(95)
         );
         for r in &self.rounds {
             let _ = writeln!(s, "{}", round_line(r));

@@ -89,6 +89,7 @@ fn ledger(args: &GuardArgs, event: &str, pid: i32, exit: Option<&ExitRecord>) {
         boottime_ns: BootInstant::now().as_nanos(),
         unix_ms: crate::clock::unix_ms(),
         exit: exit.cloned(),
+        worker: std::env::var("BATON_WORKER").ok(),
     };
     let mut line = serde_json::to_vec(&entry).expect("ledger entries serialize");
     line.push(b'\n');

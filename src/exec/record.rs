@@ -22,6 +22,9 @@ pub struct LedgerEntry {
     pub unix_ms: u64,
     #[serde(default)]
     pub exit: Option<ExitRecord>,
+    /// The worker that ran it (`BATON_WORKER`), if any.
+    #[serde(default)]
+    pub worker: Option<String>,
 }
 
 /// Why the guard ended the job, if it did.
