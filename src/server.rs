@@ -84,7 +84,6 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
     let coordinator_config = CoordinatorConfig {
         replica_id: replica_id.clone(),
         storage_dir: storage_dir.clone(),
-        guard: guard.clone(),
         max_starts_per_second: args.max_starts_per_second,
         max_recoveries: args.max_recoveries,
         retry_initial: args.retry_initial_delay,
@@ -119,6 +118,7 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
             worker_id: replica_id.clone(),
             advertise: args.advertise(),
             capacity: args.run.max_running,
+            max_cleanups: args.run.max_cleanups,
             labels: args.run.labels(),
             storage_dir: storage_dir.clone(),
             guard,
@@ -189,10 +189,24 @@ pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
     let storage_dir = storage_dir(&args.run)?;
     let guard_bin = std::env::current_exe().map_err(Error::GuardBinary)?;
     let worker_id = args.worker_id();
+    let listener = match args.listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| Error::Listen { addr, source })?,
+        ),
+        None => None,
+    };
+    let advertise = args
+        .advertise
+        .clone()
+        .or(args.listen.map(|a| a.to_string()))
+        .unwrap_or_else(|| worker_id.clone());
     let cfg = WorkerConfig {
         worker_id: worker_id.clone(),
-        advertise: args.advertise.clone().unwrap_or_else(|| worker_id.clone()),
+        advertise,
         capacity: args.run.max_running,
+        max_cleanups: args.run.max_cleanups,
         labels: args.run.labels(),
         storage_dir,
         guard: guard_settings(&args.run, guard_bin, args.margin()),
@@ -202,7 +216,14 @@ pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
     tracing::info!(worker = %worker_id, cluster = %args.cluster, capacity = cfg.capacity, "worker starting");
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone())?;
+    let api_stop = CancellationToken::new();
+    let health =
+        listener.map(|l| tokio::spawn(api::serve_health(l, shutdown.clone(), api_stop.clone())));
     worker::run(store, keys, cfg, shutdown).await;
+    api_stop.cancel();
+    if let Some(h) = health {
+        let _ = tokio::time::timeout(Duration::from_secs(5), h).await;
+    }
     Ok(())
 }
 

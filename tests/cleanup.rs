@@ -1,5 +1,6 @@
-//! Dirty-job cleanup on real replicas: retries with growing delays, a leader killed during a
-//! cleanup command or between stages, exhausted attempts and `cleanup --now`, a thousand dirty
+//! Dirty-job cleanup on real replicas and workers: retries with growing delays, a cleanup command
+//! that outlives a leader kill and reruns only after its worker dies, a leader killed between
+//! stages, exhausted attempts and `cleanup --now`, a thousand dirty
 //! jobs at failover under the concurrency limit, and result retention.
 
 mod support;
@@ -137,32 +138,55 @@ async fn a_cleanup_failing_three_times_then_succeeding_ends_clean_after_growing_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_leader_killed_during_a_cleanup_command_is_followed_by_one_that_reruns_it() {
-    let mut c = Cluster::start(Options::default());
+async fn a_cleanup_command_outlives_a_leader_kill_and_reruns_only_after_its_worker_dies() {
+    let mut c = Cluster::start(Options {
+        embedded: false,
+        workers: 1,
+        ..Options::default()
+    });
     let (k, old) = c.leader_index().await;
+    c.wait_workers(&["w1"]).await;
     let (_t, l) = ledger_dir();
-    let script = "echo c >> $L/cleanups; if [ ! -e $L/slept ]; then touch $L/slept; sleep 60; fi";
+    // The first run waits for `release`; a rerun does not.
+    let script = "echo \"$BATON_WORKER\" >> $L/cleanups; \
+                  if [ ! -e $L/started ]; then touch $L/started; \
+                  while [ ! -e $L/release ]; do sleep 0.1; done; fi";
     c.submit(0, "held", with_cleanup("echo run >> $L/runs", script, &l))
         .await;
     wait_until("the cleanup command to start", LONG, || {
-        l.join("slept").exists()
+        l.join("started").exists()
     })
     .await;
     c.replicas[k].sigkill();
-    let rest = c.others(k);
-    c.wait_new_leader(&rest, old.term).await;
-    let j = c.wait_job(&rest, "held", LONG, "clean", clean).await;
+    let (_, new) = c.wait_new_leader(&c.others(k), old.term).await;
+    c.replicas[k].restart().unwrap();
+    c.wait_leader(&c.all_indices(), LONG, |t| t == new.term)
+        .await;
+    std::fs::write(l.join("release"), "").unwrap();
+    let all = c.all_indices();
+    let j = c.wait_job(&all, "held", LONG, "clean", clean).await;
     assert_eq!(state(&j), JobState::Finished);
     assert_eq!(
-        lines(&l.join("cleanups")).len(),
-        2,
-        "the next leader runs the cleanup again"
+        lines(&l.join("cleanups")),
+        vec!["w1"],
+        "a leader change does not rerun a cleanup command"
     );
-    assert_eq!(
-        lines(&l.join("runs")).len(),
-        1,
-        "the job itself is not run again"
-    );
+
+    // Its worker dies mid-command: it runs again on another worker, after the TTL.
+    let (_t2, l2) = ledger_dir();
+    c.submit(0, "orphan", with_cleanup("true", script, &l2))
+        .await;
+    wait_until("the second cleanup command to start", LONG, || {
+        l2.join("started").exists()
+    })
+    .await;
+    c.add_worker(&[]);
+    c.wait_workers(&["w1", "w2"]).await;
+    c.workers[0].sigkill();
+    let j = c.wait_job(&all, "orphan", LONG, "clean", clean).await;
+    assert_eq!(state(&j), JobState::Finished);
+    assert_eq!(lines(&l2.join("cleanups")), vec!["w1", "w2"]);
+    assert_eq!(lines(&l.join("runs")).len(), 1, "the job itself ran once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

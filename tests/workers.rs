@@ -287,11 +287,30 @@ async fn without_a_live_worker_jobs_wait_with_the_reason_and_start_when_one_regi
         "{}",
         j.waiting_reason
     );
-    c.add_worker(&[]);
+    let listen = format!("127.0.0.1:{}", baton::devcluster::free_port());
+    c.add_worker(&["--listen", &listen]);
     let j = c
         .wait_job(&[2], "patient", LONG, "terminal", terminal)
         .await;
     assert_eq!(state(&j), JobState::Finished);
+    // The worker answers probes on its --listen address.
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{listen}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let status = tonic_health::pb::health_client::HealthClient::new(ch)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(
+        status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

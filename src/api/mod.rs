@@ -62,6 +62,28 @@ pub async fn serve(
         .await
 }
 
+/// A worker's listener: `grpc.health.v1` only, SERVING until `draining` fires.
+pub async fn serve_health(
+    listener: TcpListener,
+    draining: CancellationToken,
+    stop: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    tokio::spawn(async move {
+        draining.cancelled().await;
+        health
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
+    });
+    Server::builder()
+        .add_service(health_service)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop.cancelled_owned())
+        .await
+}
+
 async fn mark_serving(health: &HealthReporter) {
     health
         .set_serving::<ClusterServiceServer<ClusterApi>>()

@@ -18,6 +18,9 @@ pub struct RunArgs {
     /// Jobs this worker runs at once; the leader assigns no more.
     #[arg(long, env = "BATON_MAX_RUNNING", default_value_t = 64)]
     pub max_running: usize,
+    /// Cleanup commands this worker runs at once, besides its jobs.
+    #[arg(long, env = "BATON_MAX_CLEANUPS", default_value_t = 2)]
+    pub max_cleanups: usize,
     /// Niceness of jobs and cleanup commands (0 to 19); Baton and the guards keep their own.
     #[arg(long, env = "BATON_JOB_NICE", default_value_t = 10, value_parser = clap::value_parser!(i32).range(0..=19))]
     pub job_nice: i32,
@@ -54,6 +57,9 @@ impl RunArgs {
         if self.max_running == 0 {
             return Err(ConfigError("--max-running must be at least 1".into()));
         }
+        if self.max_cleanups == 0 {
+            return Err(ConfigError("--max-cleanups must be at least 1".into()));
+        }
         if self.assign_timeout < Duration::from_secs(1) {
             return Err(ConfigError(
                 "--assign-timeout must be at least 1s: a worker needs time to record a start"
@@ -77,7 +83,11 @@ pub struct WorkerArgs {
     /// This worker's id (default: the host name). One live incarnation per id.
     #[arg(long, env = "BATON_WORKER_ID")]
     pub worker_id: Option<String>,
-    /// Where this worker can be reached (shown in its record).
+    /// Serve `grpc.health.v1` here (for probes); none by default.
+    #[arg(long, env = "BATON_LISTEN")]
+    pub listen: Option<std::net::SocketAddr>,
+    /// Where this worker can be reached (shown in its record; default: the listen address, or
+    /// the worker id).
     #[arg(long, env = "BATON_ADVERTISE")]
     pub advertise: Option<String>,
     /// Worker lease TTL, whole seconds, at least 2s.

@@ -255,7 +255,7 @@ impl Actor {
         self.inflight.remove(&id);
         if let Some(p) = &pick {
             self.release(&(p.id.clone(), p.rev));
-            if !matches!(outcome, Outcome::Running { .. }) {
+            if !matches!(outcome, Outcome::Running { fresh: true, .. }) {
                 self.ctx.starts().give_back();
             }
         }

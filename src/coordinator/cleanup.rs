@@ -2,13 +2,18 @@
 //! often leadership moves (Flink's FLINK-11813, standalone).
 //!
 //! Stages, in order, each idempotent (safe to repeat, safe to interrupt anywhere):
-//! 1. the job's `cleanup_command`, if any, under a lease guard like jobs, with a timeout;
-//! 2. removal of the job's folder under `--storage-dir`;
+//! 1. the job's `cleanup_command`, if any, run by a live worker under a lease guard like jobs,
+//!    with a timeout, its outcome reported in `cleanups/<id>/<attempt>`;
+//! 2. removal of the job's folder by the worker incarnation that ran its final attempt (done
+//!    at once if that incarnation is gone: a worker removes stale folders when it starts);
 //! 3. one fenced transaction: delete `jobs/<id>`, `cancel/<id>`, `cleanup-now/<id>` and
 //!    `results/dirty/<id>`, put `results/clean/<id>`.
 //!
 //! Progress is recorded in the dirty entry after each stage (a fenced write comparing the
-//! entry's revision), so a new leader resumes at the first unfinished stage. A failed stage is
+//! entry's revision), so a new leader resumes at the first unfinished stage. A step given to a
+//! worker is recorded in the entry in the same transaction that writes its assignment, so a
+//! new leader waits for that step's report instead of starting another; a step whose worker is
+//! gone is given again only after the worker's TTL and margin. A failed stage is
 //! retried with exponential backoff and jitter; when attempts run out the entry stays dirty and
 //! is marked as needing an operator, never dropped. At most `--cleanup-concurrency` cleanups
 //! run at once. Clean results are deleted after `--result-retention`, in small fenced batches.
@@ -22,10 +27,13 @@ use etcd_client::{Compare, CompareOp, TxnOp, WatchOptions};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use super::{proven, CleanupConfig, Ctx, Writer};
-use crate::exec::record::{self, KilledBy};
-use crate::exec::spawner::{self, Launch};
-use crate::jobs::records::{self, JobResult, TerminalStatus};
+use super::{CleanupConfig, Ctx, Writer};
+use crate::exec::record;
+use crate::jobs::records::{self, CleanupAssigned, JobResult, TerminalStatus};
+use crate::jobs::work::{
+    Assignment, AssignmentKind, AttemptRecord, AttemptState, WorkerRecord, ASSIGNMENT_VERSION,
+    ATTEMPT_VERSION, WORKER_VERSION,
+};
 use crate::jobs::{self, Snapshot};
 use crate::store::codec;
 use crate::store::Keys;
@@ -151,7 +159,7 @@ pub async fn run(ctx: Arc<Ctx>, writer: Writer) {
             }
         }
     }
-    // Dropping the tasks drops their guards' pipes: the guards kill the cleanup commands.
+    // The steps on workers go on; the next leader waits for their reports.
     tasks.abort_all();
     while tasks.join_next().await.is_some() {}
 }
@@ -231,24 +239,53 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
                 return Next::Stop;
             }
         }
-        // Ok(true): a stage that ran the cleanup command, which counts as an attempt.
-        let outcome = match progress.stage {
-            0 => stage_command(ctx, writer, &snap, &result).await,
-            1 => stage_folder(ctx, id).map(|()| false),
-            _ => return finish(ctx, writer, &snap, result).await,
-        };
+        let stage = progress.stage;
+        if stage >= 2 {
+            return finish(ctx, writer, &snap, result).await;
+        }
+        let has_command = snap
+            .spec
+            .as_ref()
+            .is_some_and(|(r, _)| !r.spec.cleanup_command.is_empty());
         let mut next = result.clone();
+        let outcome = if stage == 0 && !has_command {
+            Step::Done(false)
+        } else {
+            if stage == 1 {
+                remove_local_folder(ctx, id);
+            }
+            stage_on_worker(ctx, writer, &snap, &result, &mut next).await
+        };
+        let assigned = next
+            .cleanup
+            .assigned
+            .take()
+            .or(result.cleanup.assigned.clone());
+        let mut compares = Vec::new();
         let p = &mut next.cleanup;
         match outcome {
-            Ok(ran) => {
+            Step::Assigned => continue,
+            Step::TermOver => return Next::Stop,
+            Step::Done(ran) => {
                 p.attempts += u32::from(ran);
                 p.stage += 1;
                 p.stage_term = term.revision();
                 p.last_error = None;
                 p.next_retry_ms = 0;
             }
-            Err(StageError::TermOver) => return Next::Stop,
-            Err(StageError::Failed(e)) => {
+            Step::Again(why, rec_rev) => {
+                tracing::info!(job_id = id, reason = %why, "cleanup step not run; giving it again");
+                p.last_error = Some(why);
+                p.next_retry_ms = records::now_ms() + 1000;
+                if let Some(a) = &assigned {
+                    let key = ctx.keys.cleanup_record(id, &a.step);
+                    compares.push(match rec_rev {
+                        Some(r) => Compare::mod_revision(key, CompareOp::Equal, r),
+                        None => Compare::version(key, CompareOp::Equal, 0),
+                    });
+                }
+            }
+            Step::Failed(e) => {
                 p.attempts += 1;
                 p.last_error = Some(e.clone());
                 let cfg = &ctx.config.cleanup;
@@ -262,124 +299,308 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
                 }
             }
         }
-        if record(ctx, writer, &snap, &next).await.is_err() {
+        next.cleanup.assigned = None;
+        let ended = assigned.map(|a| ctx.keys.cleanup_assignment(&a.worker, a.worker_rev, id));
+        if record(ctx, writer, &snap, &next, compares, ended)
+            .await
+            .is_err()
+        {
             return Next::At(records::now_ms() + 500);
         }
     }
 }
 
-enum StageError {
-    TermOver,
-    Failed(String),
+/// The job's folder on the leader's own host, if a worker here used it.
+fn remove_local_folder(ctx: &Ctx, id: &str) {
+    let dir = record::job_dir(&ctx.config.storage_dir, id);
+    if let Err(e) = std::fs::remove_dir_all(&dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(job_id = id, error = %e, "cannot remove the job's local folder");
+        }
+    }
 }
 
-/// Stage 1: the job's own cleanup command, under a lease guard.
-async fn stage_command(
+/// How one cleanup step on a worker went.
+enum Step {
+    /// Recorded in the dirty entry and assigned: look again.
+    Assigned,
+    /// It ran to a good end; `true` if it ran a command (counted as an attempt).
+    Done(bool),
+    Failed(String),
+    /// It did not run (rejected, lost, preempted, unanswered, no worker): give it again soon,
+    /// uncounted; the record it ended with, to compare.
+    Again(String, Option<i64>),
+    TermOver,
+}
+
+/// Stages 1 and 2: the cleanup command, and the folder, on a worker. Loops until the step ends
+/// or must be recorded.
+async fn stage_on_worker(
     ctx: &Ctx,
     writer: &Writer,
     snap: &Snapshot,
     result: &JobResult,
-) -> Result<bool, StageError> {
+    next: &mut JobResult,
+) -> Step {
     let term = writer.term();
-    let Some((record, _)) = &snap.spec else {
-        return Ok(false);
+    let id = snap.id.as_str();
+    let folder = result.cleanup.stage == 1;
+    let Some(a) = result.cleanup.assigned.clone() else {
+        return assign_step(ctx, writer, snap, result, next, folder).await;
     };
-    let cmd = &record.spec.cleanup_command;
-    if cmd.is_empty() {
-        return Ok(false);
-    }
-    let cfg = &ctx.config;
-    let attempt = result.cleanup.attempts + 1;
-    let dir = record::job_dir(&cfg.storage_dir, &snap.id);
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| StageError::Failed(format!("cannot create {}: {e}", dir.display())))?;
-    let mut env = record.spec.env.clone();
-    env.insert("BATON_JOB_ID".into(), snap.id.clone());
-    env.insert("BATON_JOB_STATUS".into(), status_name(result.status).into());
-    env.insert("BATON_JOB_DIR".into(), dir.display().to_string());
-    env.insert("BATON_CLEANUP_ATTEMPT".into(), attempt.to_string());
-    env.insert("BATON_TERM".into(), term.revision().to_string());
-    let name = format!("cleanup-{attempt}");
-    let launch = Launch {
-        guard: cfg.guard.clone(),
-        job_id: snap.id.clone(),
-        attempt,
-        term: term.revision(),
-        dir: dir.clone(),
-        name: name.clone(),
-        go_within: std::time::Duration::from_secs(5),
-        command: cmd.clone(),
-        env,
-        timeout: cfg.cleanup.timeout,
-    };
-    ctx.take_start().await;
-    if term.check().is_err() {
-        return Err(StageError::TermOver);
-    }
-    let mut g = spawner::spawn(launch, proven(term))
-        .await
-        .map_err(|e| StageError::Failed(format!("cannot start the cleanup command: {e}")))?;
-    let mut deadlines = term.deadlines();
+    let record_key = ctx.keys.cleanup_record(id, &a.step);
+    let worker_key = ctx.keys.worker(&a.worker);
+    let first_look = tokio::time::Instant::now();
+    let mut gone_at: Option<tokio::time::Instant> = None;
     loop {
-        tokio::select! {
-            _ = &mut g.exited => break,
-            _ = term.ended() => {
-                g.feed.abandon();
-                return Err(StageError::TermOver);
+        if term.check().is_err() {
+            return Step::TermOver;
+        }
+        let txn = etcd_client::Txn::new().and_then([
+            TxnOp::get(record_key.clone(), None),
+            TxnOp::get(worker_key.clone(), None),
+        ]);
+        let mut c = ctx.store.client();
+        let answers = match ctx.store.timed("read cleanup step", c.txn(txn)).await {
+            Ok(r) => r.op_responses(),
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
             }
-            changed = deadlines.changed() => {
-                if changed.is_ok() {
-                    g.feed.deadline(*deadlines.borrow_and_update());
+        };
+        let mut kvs = answers.into_iter().map(|op| match op {
+            etcd_client::TxnOpResponse::Get(g) => g.kvs().first().cloned(),
+            _ => None,
+        });
+        let (rec_kv, worker_kv) = (kvs.next().flatten(), kvs.next().flatten());
+        let rec_rev = rec_kv.as_ref().map(|kv| kv.mod_revision());
+        let rec = rec_kv.and_then(|kv| {
+            codec::decode::<AttemptRecord>(kv.key(), kv.value(), ATTEMPT_VERSION).ok()
+        });
+        let alive = worker_kv.is_some_and(|kv| kv.create_revision() == a.worker_rev);
+        match rec.as_ref().map(|r| r.state) {
+            Some(AttemptState::Exited) => {
+                let r = rec.expect("matched");
+                if r.exit_code == Some(0) && r.killed_by.is_none() {
+                    return Step::Done(!folder);
+                }
+                if folder {
+                    return Step::Failed(
+                        r.reason
+                            .unwrap_or_else(|| "cannot remove the folder".into()),
+                    );
+                }
+                let tail = r.log_tail.lines().last().unwrap_or("").to_string();
+                return Step::Failed(match (r.killed_by.as_deref(), r.exit_code) {
+                    (Some("timeout"), _) => format!(
+                        "cleanup command timed out after {}",
+                        humantime::format_duration(ctx.config.cleanup.timeout)
+                    ),
+                    (_, Some(c)) => format!("cleanup command exited with code {c}: {tail}"),
+                    _ => format!("cleanup command killed by signal {}", r.signal.unwrap_or(0)),
+                });
+            }
+            Some(AttemptState::Lost | AttemptState::Preempted | AttemptState::Rejected) => {
+                let why = rec.and_then(|r| r.reason).unwrap_or_default();
+                return Step::Again(format!("the worker did not run it: {why}"), rec_rev);
+            }
+            Some(AttemptState::Started) | None => {
+                let started = rec.is_some();
+                if alive {
+                    gone_at = None;
+                    let timeout = Duration::from_millis(a.assign_timeout_ms);
+                    if !started && first_look.elapsed() >= timeout {
+                        return Step::Again("no start within the assign timeout".into(), rec_rev);
+                    }
+                } else {
+                    let since = *gone_at.get_or_insert_with(tokio::time::Instant::now);
+                    let wait = if started {
+                        Duration::from_millis(a.worker_ttl_ms)
+                    } else {
+                        Duration::ZERO
+                    };
+                    if since.elapsed() >= wait {
+                        return Step::Again(format!("worker {} went away", a.worker), rec_rev);
+                    }
                 }
             }
         }
-    }
-    match record::read_exit(&dir, &name) {
-        Some(r) if r.exit_code == Some(0) && r.killed_by.is_none() => Ok(true),
-        Some(r) if matches!(r.killed_by, Some(KilledBy::Deadline | KilledBy::LeaderGone)) => {
-            Err(StageError::TermOver)
-        }
-        Some(r) if r.killed_by == Some(KilledBy::Timeout) => Err(StageError::Failed(format!(
-            "cleanup command timed out after {}",
-            humantime::format_duration(cfg.cleanup.timeout)
-        ))),
-        Some(r) => {
-            let tail = record::log_tail(&record::log_path(&dir, &name));
-            let tail = tail.lines().last().unwrap_or("").to_string();
-            Err(StageError::Failed(match r.exit_code {
-                Some(c) => format!("cleanup command exited with code {c}: {tail}"),
-                None => format!("cleanup command killed by signal {}", r.signal.unwrap_or(0)),
-            }))
-        }
-        None if term.check().is_err() => Err(StageError::TermOver),
-        None => Err(StageError::Failed(
-            "the cleanup command's guard left no exit record".into(),
-        )),
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
-/// Stage 2: the job's folder. Idempotent: a missing folder is success.
-fn stage_folder(ctx: &Ctx, id: &str) -> Result<(), StageError> {
-    let dir = record::job_dir(&ctx.config.storage_dir, id);
-    match std::fs::remove_dir_all(&dir) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(StageError::Failed(format!(
-            "cannot remove {}: {e}",
-            dir.display()
-        ))),
+/// Gives the step to a worker: recorded in the dirty entry with the assignment, one fenced
+/// transaction that also compares the worker's key.
+async fn assign_step(
+    ctx: &Ctx,
+    writer: &Writer,
+    snap: &Snapshot,
+    result: &JobResult,
+    next: &mut JobResult,
+    folder: bool,
+) -> Step {
+    let id = snap.id.as_str();
+    let workers = match live_workers(ctx).await {
+        Ok(w) => w,
+        Err(e) => return Step::Again(format!("cannot list workers: {e}"), None),
+    };
+    let pick = if folder {
+        match &result.worker {
+            None => return Step::Done(false),
+            Some(w) => match workers
+                .iter()
+                .find(|x| &x.0 == w && x.1 == result.worker_rev)
+            {
+                Some(x) => x.clone(),
+                // Gone: its next incarnation removes stale folders when it starts.
+                None => return Step::Done(false),
+            },
+        }
+    } else {
+        let open: Vec<_> = workers.iter().filter(|w| !w.3.draining).collect();
+        if open.is_empty() {
+            return Step::Again("no live worker to run the cleanup command".into(), None);
+        }
+        let spread = id
+            .bytes()
+            .fold(0usize, |h, b| h.wrapping_mul(31).wrapping_add(b as usize));
+        open[spread % open.len()].clone()
+    };
+    let (wid, wrev, wmod, rec) = pick;
+    let attempt = result.cleanup.attempts + 1;
+    let step = if folder {
+        "folder".to_string()
+    } else {
+        attempt.to_string()
+    };
+    let spec = match (&snap.spec, folder) {
+        (_, true) => None,
+        (Some((r, _)), false) => Some(r.spec.clone()),
+        (None, false) => return Step::Done(false),
+    };
+    let (kind, spec) = match spec {
+        None => (
+            AssignmentKind::Folder,
+            crate::jobs::spec::JobSpec {
+                command: vec!["true".into()],
+                env: Default::default(),
+                cleanup_command: Vec::new(),
+                max_attempts: 1,
+                timeout: ctx.config.cleanup.timeout,
+            },
+        ),
+        Some(s) => {
+            let mut env = s.env.clone();
+            env.insert("BATON_JOB_STATUS".into(), status_name(result.status).into());
+            (
+                AssignmentKind::Cleanup,
+                crate::jobs::spec::JobSpec {
+                    command: s.cleanup_command.clone(),
+                    env,
+                    cleanup_command: Vec::new(),
+                    max_attempts: 1,
+                    timeout: ctx.config.cleanup.timeout,
+                },
+            )
+        }
+    };
+    if kind == AssignmentKind::Cleanup {
+        ctx.take_start().await;
     }
+    let assignment = Assignment {
+        version: ASSIGNMENT_VERSION,
+        kind,
+        job_id: id.to_string(),
+        attempt,
+        recovered: false,
+        spec,
+        term: writer.term().revision(),
+    };
+    next.cleanup.assigned = Some(CleanupAssigned {
+        worker: wid.clone(),
+        worker_rev: wrev,
+        worker_ttl_ms: rec.lease_ttl_ms + rec.margin_ms,
+        assign_timeout_ms: rec.assign_timeout_ms,
+        step: step.clone(),
+    });
+    let k = ctx.keys.job(id);
+    let worker_key = ctx.keys.worker(&wid);
+    let record_key = ctx.keys.cleanup_record(id, &step);
+    let compares = vec![
+        Compare::mod_revision(k.dirty.clone(), CompareOp::Equal, snap.dirty_rev),
+        Compare::create_revision(worker_key.clone(), CompareOp::Equal, wrev),
+        Compare::mod_revision(worker_key, CompareOp::Equal, wmod),
+    ];
+    let mut ops = vec![
+        TxnOp::put(k.dirty, codec::encode(&*next), None),
+        // A record left by an earlier run of this step (a folder removal, say) is not this one's.
+        TxnOp::delete(record_key, None),
+        TxnOp::put(
+            ctx.keys.cleanup_assignment(&wid, wrev, id),
+            codec::encode(&assignment),
+            None,
+        ),
+    ];
+    if snap.cleanup_now {
+        ops.push(TxnOp::delete(k.cleanup_now, None));
+    }
+    match writer.commit(compares, ops).await {
+        Ok(c) if c.applied() => {
+            tracing::info!(job_id = id, worker = %wid, step = %step, "cleanup step assigned");
+            Step::Assigned
+        }
+        Ok(_) => Step::Again(
+            "the worker or the result changed; trying again".into(),
+            None,
+        ),
+        Err(_) => Step::TermOver,
+    }
+}
+
+/// Live workers: id, incarnation, mod revision, record.
+async fn live_workers(
+    ctx: &Ctx,
+) -> Result<Vec<(String, i64, i64, WorkerRecord)>, crate::store::Error> {
+    let mut c = ctx.store.client();
+    let get = c.get(
+        ctx.keys.workers(),
+        Some(etcd_client::GetOptions::new().with_prefix()),
+    );
+    let resp = ctx.store.timed("list workers", get).await?;
+    Ok(resp
+        .kvs()
+        .iter()
+        .filter_map(|kv| {
+            let r: WorkerRecord = codec::decode(kv.key(), kv.value(), WORKER_VERSION).ok()?;
+            Some((
+                r.worker_id.clone(),
+                kv.create_revision(),
+                kv.mod_revision(),
+                r,
+            ))
+        })
+        .collect())
 }
 
 /// Records progress in the dirty entry (fenced, and only if nobody changed it meanwhile).
-async fn record(ctx: &Ctx, writer: &Writer, snap: &Snapshot, next: &JobResult) -> Result<(), ()> {
+/// Also deletes `ended` (the step's assignment) and requires `extra`.
+async fn record(
+    ctx: &Ctx,
+    writer: &Writer,
+    snap: &Snapshot,
+    next: &JobResult,
+    extra: Vec<Compare>,
+    ended: Option<String>,
+) -> Result<(), ()> {
     let k = ctx.keys.job(&snap.id);
-    let compares = vec![Compare::mod_revision(
+    let mut compares = vec![Compare::mod_revision(
         k.dirty.clone(),
         CompareOp::Equal,
         snap.dirty_rev,
     )];
+    compares.extend(extra);
     let mut ops = vec![TxnOp::put(k.dirty, codec::encode(next), None)];
+    ops.extend(ended.map(|key| TxnOp::delete(key, None)));
     if snap.cleanup_now {
         ops.push(TxnOp::delete(k.cleanup_now, None));
     }
@@ -413,6 +634,10 @@ async fn finish(ctx: &Ctx, writer: &Writer, snap: &Snapshot, mut result: JobResu
         TxnOp::delete(k.cancel, None),
         TxnOp::delete(k.cleanup_now, None),
         TxnOp::delete(k.dirty, None),
+        TxnOp::delete(
+            format!("{}{}/", ctx.keys.cleanups(), snap.id),
+            Some(etcd_client::DeleteOptions::new().with_prefix()),
+        ),
         TxnOp::put(k.clean, codec::encode(&result), None),
     ];
     match writer.commit(compares, ops).await {

@@ -5,18 +5,13 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::starts::StartBudget;
-use crate::clock::BootInstant;
-use crate::election::Term;
-use crate::exec::spawner::GuardSettings;
 use crate::store::{Keys, Store};
 
 #[derive(Clone, Debug)]
 pub struct CoordinatorConfig {
     pub replica_id: String,
-    /// Where cleanup commands run, and job folders the folder stage removes, on this host.
+    /// Job folders on this host (of its embedded worker) the folder stage also removes.
     pub storage_dir: PathBuf,
-    /// How cleanup commands run (binary, margin, kill grace, nice, ledger).
-    pub guard: GuardSettings,
     pub max_recoveries: u32,
     pub retry_initial: Duration,
     pub retry_max: Duration,
@@ -80,10 +75,4 @@ pub struct CleanupConfig {
     /// Test and drill hook: the term that recorded this stage stops there (a new leader
     /// resumes). 0 holds every cleanup before it starts.
     pub pause_after_stage: Option<u32>,
-}
-
-/// The term's latest proven deadline when called: what a new guard is fed first.
-pub(crate) fn proven(term: &Term) -> impl FnOnce() -> BootInstant + Send + 'static {
-    let deadlines = term.deadlines();
-    move || *deadlines.borrow()
 }

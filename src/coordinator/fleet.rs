@@ -123,13 +123,10 @@ impl Fleet {
     }
 
     /// When the assignment `token` to `worker` must have a `started` record by: counted from
-    /// when this term made it, or from the term's start for one it adopted.
-    pub(super) fn accept_due(&self, worker: &str, token: i64) -> Instant {
-        let from = self
-            .assigned_at
-            .get(&token)
-            .copied()
-            .unwrap_or(self.term_start);
+    /// when this term made it, or first saw it (adopted, or an assignment whose commit answer
+    /// was lost).
+    pub(super) fn accept_due(&mut self, worker: &str, token: i64) -> Instant {
+        let from = *self.assigned_at.entry(token).or_insert_with(Instant::now);
         let timeout = self
             .workers
             .get(worker)

@@ -11,7 +11,7 @@
 //! - [`cleanup`]: dirty results made clean, stage by stage;
 //! - [`writer`]: the one fenced writer of a term.
 //!
-//! Cleanup commands are started through [`crate::exec`], which knows nothing of leadership.
+//! The leader starts no process: jobs and cleanup steps run on workers.
 
 mod actor;
 pub mod cleanup;
@@ -22,7 +22,6 @@ mod starts;
 mod transition;
 mod writer;
 
-pub(crate) use ctx::proven;
 pub use ctx::{CleanupConfig, CoordinatorConfig, Ctx};
 pub use writer::Writer;
 

@@ -21,7 +21,9 @@ use super::fleet::{Fleet, Liveness, Pick};
 use super::{CoordinatorConfig, Ctx, Writer};
 use crate::election::{Commit, FenceError};
 use crate::jobs::records::{self, JobResult, RegistryEntry, RegistryStatus, TerminalStatus};
-use crate::jobs::work::{Assignment, AttemptRecord, AttemptState, ASSIGNMENT_VERSION};
+use crate::jobs::work::{
+    Assignment, AssignmentKind, AttemptRecord, AttemptState, ASSIGNMENT_VERSION,
+};
 use crate::jobs::{self, Snapshot};
 use crate::store::codec;
 
@@ -33,11 +35,13 @@ pub(super) enum Outcome {
     NeedSlot(i64),
     /// PENDING until this Unix ms.
     Later(u64),
-    /// RUNNING on this worker incarnation; look again at `recheck` if set.
+    /// RUNNING on this worker incarnation; look again at `recheck` if set. `fresh`: this
+    /// transition assigned it (it took a start).
     Running {
         worker: String,
         rev: i64,
         recheck: Option<Instant>,
+        fresh: bool,
     },
     /// etcd failed; try again soon.
     Retry,
@@ -121,7 +125,41 @@ pub(super) async fn transition(
         },
         RegistryStatus::Running => {
             let Some(worker) = entry.worker.clone() else {
-                // A version 1 entry: an older leader ran it itself, and its term is over.
+                // A version 1 entry: an older leader ran it itself, and its term is over. Its
+                // guard may have left the exit in the old shared folder (where still mounted).
+                let dir = crate::exec::record::job_dir(&ctx.config.storage_dir, id);
+                let old =
+                    crate::exec::record::read_exit(&dir, &format!("attempt-{}", entry.attempt))
+                        .filter(|r| r.term == entry.term && r.attempt == entry.attempt);
+                if let Some(r) = old.filter(|r| {
+                    matches!(
+                        r.killed_by,
+                        None | Some(crate::exec::record::KilledBy::Timeout)
+                    )
+                }) {
+                    let rec = AttemptRecord {
+                        version: crate::jobs::work::ATTEMPT_VERSION,
+                        state: AttemptState::Exited,
+                        worker: String::new(),
+                        worker_rev: 0,
+                        attempt: r.attempt,
+                        pid: r.pid,
+                        exit_code: r.exit_code,
+                        signal: r.signal,
+                        killed_by: r.killed_by.map(|_| "timeout".to_string()),
+                        log_tail: crate::exec::record::log_tail(&crate::exec::record::log_path(
+                            &dir,
+                            &format!("attempt-{}", r.attempt),
+                        )),
+                        reason: None,
+                        at_ms: records::now_ms(),
+                    };
+                    tracing::info!(
+                        job_id = id,
+                        "recording the exit an older leader's guard left"
+                    );
+                    return job.finish(&rec).await;
+                }
                 if cancelled {
                     return job
                         .terminal(
@@ -158,7 +196,20 @@ pub(super) async fn transition(
                 }
                 Some(AttemptState::Lost) => job.requeue(Requeue::Lost).await,
                 Some(AttemptState::Preempted) => job.requeue(Requeue::Preempted).await,
-                Some(AttemptState::Rejected) => job.requeue(Requeue::Unstarted).await,
+                Some(AttemptState::Rejected) => {
+                    let full = rec
+                        .as_ref()
+                        .and_then(|(r, _)| r.reason.as_deref())
+                        .is_some_and(|r| r.contains("full"));
+                    if !full {
+                        // It could not start it: give it nothing for a while (Nomad's ineligible).
+                        fleet
+                            .lock()
+                            .expect("fleet lock")
+                            .distrust(&worker, entry.worker_rev);
+                    }
+                    job.requeue(Requeue::Unstarted).await
+                }
                 Some(AttemptState::Started) | None => {
                     let started = state.is_some();
                     let (liveness, accept_due) = {
@@ -177,11 +228,13 @@ pub(super) async fn transition(
                             worker,
                             rev: entry.worker_rev,
                             recheck: None,
+                            fresh: false,
                         },
                         Liveness::Alive if now < accept_due => Outcome::Running {
                             worker,
                             rev: entry.worker_rev,
                             recheck: Some(accept_due),
+                            fresh: false,
                         },
                         Liveness::Alive => {
                             tracing::warn!(job_id = id, worker = %worker, "no start within the assign timeout; taking the job back");
@@ -198,6 +251,7 @@ pub(super) async fn transition(
                                     worker,
                                     rev: entry.worker_rev,
                                     recheck: Some(due),
+                                    fresh: false,
                                 };
                             }
                             if cancelled {
@@ -306,6 +360,7 @@ impl JobCtx<'_> {
         }
         let assignment = Assignment {
             version: ASSIGNMENT_VERSION,
+            kind: AssignmentKind::Job,
             job_id: self.id().into(),
             attempt: entry.attempt,
             recovered: self.entry.recovered_next,
@@ -340,6 +395,7 @@ impl JobCtx<'_> {
                     worker: p.id,
                     rev: p.rev,
                     recheck: Some(due),
+                    fresh: true,
                 }
             }
             Err(o) => o,
@@ -507,6 +563,8 @@ impl JobCtx<'_> {
                 .unwrap_or_default(),
             term: term.revision(),
             cleanup: Default::default(),
+            worker: e.worker.clone(),
+            worker_rev: e.worker_rev,
         };
         let k = self.ctx.keys.job(self.id());
         let mut ops = vec![

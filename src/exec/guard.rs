@@ -152,6 +152,8 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
     }
 
     std::fs::create_dir_all(&args.dir)?;
+    // A same-named record of an earlier job of this id (or a rejected run) is not ours.
+    let _ = std::fs::remove_file(exit_path(&args.dir, &args.name));
     let log = OpenOptions::new()
         .create(true)
         .append(true)
@@ -255,13 +257,22 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
         };
         if let Some(status) = status {
             // Nothing of the job may outlive its attempt: kill what is left of its group, and
-            // wait (bounded) until it is empty, so an immediate reschedule cannot overlap it.
-            let _ = killpg(group, Signal::SIGKILL);
-            let empty_by = BootInstant::now() + Duration::from_secs(5);
+            // wait until it is empty, so an immediate reschedule cannot overlap it. A process
+            // that SIGKILL cannot end (stuck in the kernel) holds the attempt open, and its
+            // slot taken, for as long as it lives.
+            let mut told = BootInstant::now() + Duration::from_secs(10);
             loop {
+                let _ = killpg(group, Signal::SIGKILL);
                 reap_orphans();
-                if killpg(group, None).is_err() || BootInstant::now() >= empty_by {
+                if killpg(group, None).is_err() {
                     break;
+                }
+                if BootInstant::now() >= told {
+                    eprintln!(
+                        "baton guard: job {}: its process group survives SIGKILL; waiting",
+                        args.job_id
+                    );
+                    told = BootInstant::now() + Duration::from_secs(60);
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }

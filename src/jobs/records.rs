@@ -101,6 +101,20 @@ pub struct CleanupProgress {
     pub needs_operator: bool,
     #[serde(default)]
     pub done_ms: u64,
+    /// The cleanup step a worker has been given, if any (recorded before it may start).
+    #[serde(default)]
+    pub assigned: Option<CleanupAssigned>,
+}
+
+/// A cleanup step assigned to a worker: where, and how long its guards may outlive its key.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CleanupAssigned {
+    pub worker: String,
+    pub worker_rev: i64,
+    pub worker_ttl_ms: u64,
+    pub assign_timeout_ms: u64,
+    /// `<n>` (the cleanup attempt) or `folder`: the step's record key.
+    pub step: String,
 }
 
 /// `results/dirty/<id>` and `results/clean/<id>`.
@@ -130,6 +144,11 @@ pub struct JobResult {
     pub term: i64,
     #[serde(default)]
     pub cleanup: CleanupProgress,
+    /// The worker incarnation that ran the final attempt (its folder is there).
+    #[serde(default)]
+    pub worker: Option<String>,
+    #[serde(default)]
+    pub worker_rev: i64,
 }
 
 /// `cancel/<id>`.

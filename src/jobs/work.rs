@@ -27,6 +27,9 @@ pub struct WorkerRecord {
     pub advertise: String,
     /// Jobs it runs at once.
     pub capacity: u32,
+    /// Cleanup commands it runs at once, besides its jobs.
+    #[serde(default)]
+    pub cleanup_capacity: u32,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
     #[serde(default)]
@@ -41,10 +44,26 @@ pub struct WorkerRecord {
     pub assign_timeout_ms: u64,
 }
 
-/// `assignments/<worker>/<incarnation>/<job>`: everything the worker needs to run the attempt.
+/// What an assignment asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AssignmentKind {
+    /// An attempt of the job.
+    #[default]
+    Job,
+    /// A run of the job's cleanup command (`spec` holds it; `attempt` is the cleanup attempt).
+    Cleanup,
+    /// Removal of the job's folder on this worker.
+    Folder,
+}
+
+/// `assignments/<worker>/<incarnation>/<job>` (or `.../cleanup/<job>`): everything the worker
+/// needs to run it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Assignment {
     pub version: u32,
+    #[serde(default)]
+    pub kind: AssignmentKind,
     pub job_id: String,
     /// `BATON_ATTEMPT`.
     pub attempt: u32,
@@ -71,7 +90,7 @@ pub enum AttemptState {
     Rejected,
 }
 
-/// `attempts/<job>/<token>`.
+/// `attempts/<job>/<token>`, and `cleanups/<job>/<step>` for cleanup steps.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AttemptRecord {
     pub version: u32,

@@ -78,6 +78,22 @@ impl Keys {
         format!("{}{job}", self.assignments_of(worker, incarnation))
     }
 
+    /// `assignments/<worker>/<create_rev>/cleanup/<job>`: a cleanup step of a finished job
+    /// (job ids hold no `/`, so it never meets a job's assignment).
+    pub fn cleanup_assignment(&self, worker: &str, incarnation: i64, job: &str) -> String {
+        format!("{}cleanup/{job}", self.assignments_of(worker, incarnation))
+    }
+
+    /// `cleanups/`: what workers report about cleanup steps.
+    pub fn cleanups(&self) -> String {
+        format!("{}cleanups/", self.prefix)
+    }
+
+    /// `cleanups/<job>/<step>`: `<step>` is the cleanup attempt, or `folder`.
+    pub fn cleanup_record(&self, job: &str, step: &str) -> String {
+        format!("{}{job}/{step}", self.cleanups())
+    }
+
     /// `attempts/`: what workers report about each assignment.
     pub fn attempts(&self) -> String {
         format!("{}attempts/", self.prefix)

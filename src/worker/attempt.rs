@@ -25,7 +25,7 @@ use crate::clock::BootInstant;
 use crate::exec::record::{self, KilledBy};
 use crate::exec::spawner::{self, Guard, Launch};
 use crate::jobs::records::now_ms;
-use crate::jobs::work::{Assignment, AttemptRecord, AttemptState, ATTEMPT_VERSION};
+use crate::jobs::work::{Assignment, AssignmentKind, AttemptRecord, AttemptState, ATTEMPT_VERSION};
 use crate::store::{codec, Keys, Store};
 
 /// What the incarnation's loop wants from a running attempt.
@@ -50,8 +50,34 @@ pub(super) struct Incarnation {
     /// The create revision of this incarnation's key.
     pub(super) rev: i64,
     pub(super) deadlines: watch::Receiver<BootInstant>,
-    /// Guards alive (the worker's own view of its capacity).
+    /// Job guards alive (the worker's own view of its capacity).
     pub(super) processes: Arc<AtomicUsize>,
+    /// Cleanup guards alive.
+    pub(super) cleanups: Arc<AtomicUsize>,
+}
+
+/// The keys one assignment is about: its own, and the record the worker writes.
+struct Keyed {
+    assignment: String,
+    record: String,
+}
+
+fn keyed(inc: &Incarnation, a: &Assignment, token: i64) -> Keyed {
+    let (k, w, id) = (&inc.keys, &inc.config.worker_id, &a.job_id);
+    match a.kind {
+        AssignmentKind::Job => Keyed {
+            assignment: k.assignment(w, inc.rev, id),
+            record: k.attempt(id, token),
+        },
+        AssignmentKind::Cleanup => Keyed {
+            assignment: k.cleanup_assignment(w, inc.rev, id),
+            record: k.cleanup_record(id, &a.attempt.to_string()),
+        },
+        AssignmentKind::Folder => Keyed {
+            assignment: k.cleanup_assignment(w, inc.rev, id),
+            record: k.cleanup_record(id, "folder"),
+        },
+    }
 }
 
 struct Slot(Arc<AtomicUsize>);
@@ -62,15 +88,41 @@ impl Drop for Slot {
     }
 }
 
-/// Runs assignment `a` (revision `token`) to its end. See the module doc.
-pub(super) async fn run(
+/// Runs assignment `a` (revision `token`) to its end, and reports `lost` if that panicked (its
+/// guard, whose pipe closed with the task, has killed the job).
+pub(super) async fn run_reported(
     inc: Arc<Incarnation>,
     a: Assignment,
     token: i64,
-    mut ctl: watch::Receiver<Control>,
+    ctl: watch::Receiver<Control>,
 ) {
+    let keys = keyed(&inc, &a, token);
+    let (id, attempt) = (a.job_id.clone(), a.attempt);
+    if tokio::spawn(run(inc.clone(), a, token, ctl)).await.is_err() {
+        tracing::error!(job_id = %id, token, "the attempt's task failed; reporting it lost");
+        let rec = AttemptRecord {
+            version: ATTEMPT_VERSION,
+            state: AttemptState::Lost,
+            worker: inc.config.worker_id.clone(),
+            worker_rev: inc.rev,
+            attempt,
+            pid: 0,
+            exit_code: None,
+            signal: None,
+            killed_by: None,
+            log_tail: String::new(),
+            reason: Some("the worker's attempt task failed".into()),
+            at_ms: now_ms(),
+        };
+        report(&inc, &keys, &id, token, rec).await;
+    }
+}
+
+/// Runs assignment `a` (revision `token`) to its end. See the module doc.
+async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::Receiver<Control>) {
     let id = a.job_id.clone();
     let cfg = &inc.config;
+    let keys = keyed(&inc, &a, token);
     let base = AttemptRecord {
         version: ATTEMPT_VERSION,
         state: AttemptState::Rejected,
@@ -90,29 +142,75 @@ pub(super) async fn run(
         at_ms: now_ms(),
         ..base.clone()
     };
-    if *ctl.borrow() != Control::Run {
-        return;
+    let first = *ctl.borrow();
+    match first {
+        Control::Run => {}
+        Control::Cancel => {
+            report(
+                &inc,
+                &keys,
+                &id,
+                token,
+                reject("cancelled before it started".into()),
+            )
+            .await;
+            return;
+        }
+        _ => return,
     }
-    if inc.processes.fetch_add(1, Ordering::SeqCst) >= cfg.capacity {
-        inc.processes.fetch_sub(1, Ordering::SeqCst);
-        tracing::info!(job_id = %id, token, "full: rejecting the assignment");
-        report(&inc, &id, token, reject("the worker is full".into())).await;
-        return;
-    }
-    let _slot = Slot(inc.processes.clone());
     let dir = record::job_dir(&cfg.storage_dir, &id);
-    let name = format!("attempt-{}", a.attempt);
+    if a.kind == AssignmentKind::Folder {
+        let end = match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => AttemptRecord {
+                state: AttemptState::Exited,
+                exit_code: Some(1),
+                reason: Some(format!("cannot remove {}: {e}", dir.display())),
+                ..base.clone()
+            },
+            _ => AttemptRecord {
+                state: AttemptState::Exited,
+                exit_code: Some(0),
+                ..base.clone()
+            },
+        };
+        report(&inc, &keys, &id, token, end).await;
+        return;
+    }
+    let (counter, limit) = match a.kind {
+        AssignmentKind::Cleanup => (&inc.cleanups, cfg.max_cleanups),
+        _ => (&inc.processes, cfg.capacity),
+    };
+    if counter.fetch_add(1, Ordering::SeqCst) >= limit {
+        counter.fetch_sub(1, Ordering::SeqCst);
+        tracing::info!(job_id = %id, token, "full: rejecting the assignment");
+        report(&inc, &keys, &id, token, reject("the worker is full".into())).await;
+        return;
+    }
+    let _slot = Slot(counter.clone());
+    let name = match a.kind {
+        AssignmentKind::Cleanup => format!("cleanup-{}", a.attempt),
+        _ => format!("attempt-{}", a.attempt),
+    };
     if let Err(e) = std::fs::create_dir_all(&dir) {
         let why = format!("cannot create {}: {e}", dir.display());
-        report(&inc, &id, token, reject(why)).await;
+        report(&inc, &keys, &id, token, reject(why)).await;
         return;
     }
+    // An earlier job of this id may have left a record of the same name here.
+    let _ = std::fs::remove_file(record::exit_path(&dir, &name));
     let mut env = a.spec.env.clone();
     env.insert("BATON_JOB_ID".into(), id.clone());
-    env.insert("BATON_ATTEMPT".into(), a.attempt.to_string());
     env.insert("BATON_JOB_DIR".into(), dir.display().to_string());
     env.insert("BATON_TERM".into(), token.to_string());
     env.insert("BATON_WORKER".into(), cfg.worker_id.clone());
+    match a.kind {
+        AssignmentKind::Cleanup => {
+            env.insert("BATON_CLEANUP_ATTEMPT".into(), a.attempt.to_string());
+        }
+        _ => {
+            env.insert("BATON_ATTEMPT".into(), a.attempt.to_string());
+        }
+    }
     if a.recovered {
         env.insert("BATON_RECOVERED".into(), "1".into());
     }
@@ -134,6 +232,7 @@ pub(super) async fn run(
             tracing::error!(job_id = %id, error = %e, "cannot start the guard");
             report(
                 &inc,
+                &keys,
                 &id,
                 token,
                 reject(format!("cannot start the guard: {e}")),
@@ -148,7 +247,7 @@ pub(super) async fn run(
         at_ms: now_ms(),
         ..base.clone()
     };
-    match accept(&inc, &id, token, &started).await {
+    match accept(&inc, &keys, token, &started).await {
         Accept::Yes => {}
         Accept::TakenAway => {
             guard.feed.abandon();
@@ -158,9 +257,23 @@ pub(super) async fn run(
         Accept::Unknown(why) => {
             guard.feed.abandon();
             let _ = (&mut guard.exited).await;
-            report(&inc, &id, token, reject(why)).await;
+            report(&inc, &keys, &id, token, reject(why)).await;
             return;
         }
+    }
+    let now_wanted = *ctl.borrow();
+    if now_wanted == Control::Cancel {
+        guard.feed.abandon();
+        let _ = (&mut guard.exited).await;
+        let end = AttemptRecord {
+            state: AttemptState::Exited,
+            killed_by: Some("cancel".into()),
+            reason: Some("cancelled before it started".into()),
+            at_ms: now_ms(),
+            ..base.clone()
+        };
+        report(&inc, &keys, &id, token, end).await;
+        return;
     }
     // The go.
     let mut deadlines = inc.deadlines.clone();
@@ -171,7 +284,7 @@ pub(super) async fn run(
         tracing::info!(job_id = %id, token, "the leader ended the assignment; the job was stopped");
         return;
     }
-    let rec = record::read_exit(&dir, &name);
+    let rec = record::read_exit(&dir, &name).filter(|r| r.term == token && r.attempt == a.attempt);
     let mut end = AttemptRecord {
         pid: guard.pid,
         log_tail: record::log_tail(&record::log_path(&dir, &name)),
@@ -193,6 +306,11 @@ pub(super) async fn run(
                 _ => "cancel".to_string(),
             });
         }
+        None if why != Control::Preempt => {
+            // The guard started nothing (its go came too late): nothing ran.
+            end.state = AttemptState::Rejected;
+            end.reason = Some("the guard started nothing".into());
+        }
         other => {
             end.state = if why == Control::Preempt {
                 AttemptState::Preempted
@@ -208,7 +326,7 @@ pub(super) async fn run(
         }
     }
     tracing::info!(job_id = %id, token, state = ?end.state, exit_code = end.exit_code, "attempt ended");
-    report(&inc, &id, token, end).await;
+    report(&inc, &keys, &id, token, end).await;
 }
 
 /// Feeds deadlines and follows the loop's wishes until the guard is gone; returns the last wish.
@@ -257,11 +375,10 @@ enum Accept {
 
 /// Writes `started`, fenced by this incarnation's key and the assignment. A retry after a
 /// timeout recognises its own earlier commit by the record's pid.
-async fn accept(inc: &Incarnation, id: &str, token: i64, started: &AttemptRecord) -> Accept {
-    let k = &inc.keys;
-    let worker_key = k.worker(&inc.config.worker_id);
-    let assignment = k.assignment(&inc.config.worker_id, inc.rev, id);
-    let attempt = k.attempt(id, token);
+async fn accept(inc: &Incarnation, keys: &Keyed, token: i64, started: &AttemptRecord) -> Accept {
+    let worker_key = inc.keys.worker(&inc.config.worker_id);
+    let assignment = keys.assignment.clone();
+    let attempt = keys.record.clone();
     let until = tokio::time::Instant::now() + inc.config.assign_timeout / 2;
     let mut last = String::new();
     while tokio::time::Instant::now() < until {
@@ -297,10 +414,9 @@ async fn accept(inc: &Incarnation, id: &str, token: i64, started: &AttemptRecord
 
 /// Writes how the attempt ended, comparing only the assignment: retried until it lands or the
 /// leader has ended the assignment (then there is nobody left to tell).
-async fn report(inc: &Incarnation, id: &str, token: i64, rec: AttemptRecord) {
-    let k = &inc.keys;
-    let assignment = k.assignment(&inc.config.worker_id, inc.rev, id);
-    let attempt = k.attempt(id, token);
+async fn report(inc: &Incarnation, keys: &Keyed, id: &str, token: i64, rec: AttemptRecord) {
+    let assignment = keys.assignment.clone();
+    let attempt = keys.record.clone();
     let mut pause = Duration::from_millis(100);
     loop {
         let txn = Txn::new()

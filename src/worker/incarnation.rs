@@ -39,23 +39,23 @@ struct Loop {
 }
 
 impl Loop {
-    /// An assignment (put) seen at revision `token`.
-    fn assigned(&mut self, kv: &etcd_client::KeyValue) {
+    /// An assignment (put) seen at revision `token`, under `slot` (`<job>` or `cleanup/<job>`).
+    fn assigned(&mut self, slot: &str, kv: &etcd_client::KeyValue) {
         let Ok(a) = codec::decode::<Assignment>(kv.key(), kv.value(), ASSIGNMENT_VERSION) else {
             return;
         };
         let token = kv.mod_revision();
-        if let Some(s) = self.slots.get(&a.job_id) {
+        if let Some(s) = self.slots.get(slot) {
             if s.token == token {
                 return;
             }
             s.ctl.send_replace(Control::Revoked);
         }
         let (ctl, rx) = watch::channel(Control::Run);
-        self.slots.insert(a.job_id.clone(), Slot { token, ctl });
+        self.slots.insert(slot.to_string(), Slot { token, ctl });
         let span = tracing::info_span!("attempt", job_id = %a.job_id, token);
         self.tasks
-            .spawn(attempt::run(self.inc.clone(), a, token, rx).instrument(span));
+            .spawn(attempt::run_reported(self.inc.clone(), a, token, rx).instrument(span));
     }
 
     fn unassigned(&mut self, job: &str, token: Option<i64>) {
@@ -105,6 +105,7 @@ pub(super) async fn serve(
             rev,
             deadlines: lease.subscribe(),
             processes: Arc::new(AtomicUsize::new(0)),
+            cleanups: Arc::new(AtomicUsize::new(0)),
         }),
         slots: HashMap::new(),
         tasks: TaskTracker::new(),
@@ -120,8 +121,16 @@ pub(super) async fn serve(
         if lease.lost().is_cancelled() {
             break End::Lost("the lease could not be proven");
         }
+        // The watchdog guards against a hung runtime, not a slow etcd: fed while waiting.
+        let feeding = async {
+            loop {
+                pet.tick().await;
+                watchdog.pet();
+            }
+        };
         let read = tokio::select! {
             r = read_state(store, keys, &prefix, &me, &lp) => r,
+            _ = feeding => unreachable!("feeds forever"),
             _ = stop.cancelled() => break End::Stopped,
             _ = lease.lost().cancelled() => break End::Lost("the lease could not be proven"),
         };
@@ -155,7 +164,9 @@ pub(super) async fn serve(
             lp.unassigned(&job, None);
         }
         for kv in &assignments {
-            lp.assigned(kv);
+            if let Some(slot) = Keys::id_in(&prefix, kv.key()) {
+                lp.assigned(slot, kv);
+            }
         }
         for job in cancelled {
             lp.cancel(&job);
@@ -165,8 +176,11 @@ pub(super) async fn serve(
         let watched = tokio::time::timeout(
             Duration::from_secs(5),
             client.watch(prefix.clone(), Some(opts().with_prefix())),
-        )
-        .await;
+        );
+        let watched = tokio::select! {
+            w = watched => w,
+            _ = async { loop { pet.tick().await; watchdog.pet(); } } => unreachable!("feeds forever"),
+        };
         let Ok(Ok(mut stream)) = watched else {
             tracing::warn!("cannot watch this worker's assignments; resyncing");
             tokio::time::sleep(Duration::from_millis(300)).await;
@@ -196,7 +210,7 @@ pub(super) async fn serve(
                                 }
                             } else if let Some(job) = Keys::id_in(&prefix, kv.key()) {
                                 match ev.event_type() {
-                                    EventType::Put => lp.assigned(kv),
+                                    EventType::Put => lp.assigned(job, kv),
                                     EventType::Delete => {
                                         let job = job.to_string();
                                         lp.unassigned(&job, Some(kv.mod_revision()));
@@ -219,6 +233,7 @@ pub(super) async fn serve(
     };
     match end {
         End::Stopped => {
+            super::registration::mark_draining(store, keys, config, rev).await;
             lp.end_all(Control::Preempt);
             lp.tasks.close();
             let bound = config.guard.kill_grace + Duration::from_secs(15);
@@ -261,20 +276,27 @@ async fn read_state(
         .timed("read worker key", c.get(me, Some(pinned())))
         .await?;
     let mine = own.kvs().first().map(|kv| kv.create_revision());
-    let mut cancelled = Vec::new();
-    let jobs: Vec<String> = assignments
+    let jobs: std::collections::HashSet<String> = assignments
         .iter()
         .filter_map(|kv| Keys::id_in(prefix, kv.key()).map(str::to_owned))
         .chain(lp.slots.keys().cloned())
+        .filter(|slot| !slot.contains('/'))
         .collect();
-    for job in jobs {
-        let k = keys.job(&job).cancel;
-        let r = store
-            .timed("read cancel", c.get(k, Some(pinned().with_count_only())))
+    let mut cancelled = Vec::new();
+    if !jobs.is_empty() {
+        let cancels = store
+            .timed(
+                "read cancels",
+                c.get(keys.cancel(), Some(pinned().with_prefix().with_keys_only())),
+            )
             .await?;
-        if r.count() > 0 {
-            cancelled.push(job);
-        }
+        cancelled = cancels
+            .kvs()
+            .iter()
+            .filter_map(|kv| Keys::id_in(&keys.cancel(), kv.key()))
+            .filter(|id| jobs.contains(*id))
+            .map(str::to_owned)
+            .collect();
     }
     Ok((at, assignments, cancelled, mine))
 }

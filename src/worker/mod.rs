@@ -38,6 +38,8 @@ pub struct WorkerConfig {
     pub advertise: String,
     /// Jobs running at once.
     pub capacity: usize,
+    /// Cleanup commands running at once, besides the jobs.
+    pub max_cleanups: usize,
     pub labels: BTreeMap<String, String>,
     /// Local scratch: `<storage>/jobs/<job>` per job.
     pub storage_dir: PathBuf,

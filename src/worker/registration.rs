@@ -27,6 +27,7 @@ pub(super) async fn register(
         worker_id: config.worker_id.clone(),
         advertise: config.advertise.clone(),
         capacity: config.capacity as u32,
+        cleanup_capacity: config.max_cleanups as u32,
         labels: config.labels.clone(),
         draining: false,
         started_at: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
@@ -65,6 +66,30 @@ pub(super) async fn register(
             _ = lease.lost().cancelled() => return None,
         }
     }
+}
+
+/// Marks incarnation `rev` draining (best effort, bounded), so the leader assigns it nothing
+/// more while it stops: the assign transaction compares the key's mod revision.
+pub(super) async fn mark_draining(store: &Store, keys: &Keys, config: &WorkerConfig, rev: i64) {
+    let key = keys.worker(&config.worker_id);
+    let mut c = store.client();
+    let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(2), c.get(key.clone(), None)).await
+    else {
+        return;
+    };
+    let Some(kv) = resp.kvs().first() else { return };
+    let Ok(mut record) = codec::decode::<WorkerRecord>(kv.key(), kv.value(), WORKER_VERSION) else {
+        return;
+    };
+    record.draining = true;
+    let txn = Txn::new()
+        .when([Compare::create_revision(key.clone(), CompareOp::Equal, rev)])
+        .and_then([TxnOp::put(
+            key,
+            codec::encode(&record),
+            Some(PutOptions::new().with_ignore_lease()),
+        )]);
+    let _ = tokio::time::timeout(Duration::from_secs(2), c.txn(txn)).await;
 }
 
 /// Revokes a lost incarnation's lease once etcd answers (its key, if still there, goes with
