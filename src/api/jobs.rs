@@ -322,10 +322,10 @@ impl JobService for JobApi {
                     from_registry(&mut job, &e);
                     job.cleanup = Some(cleanup_proto(None, false));
                 } else {
-                    let Ok(r) = codec::decode::<JobResult>(
+                    let Ok(r) = codec::decode_any::<JobResult>(
                         kv.key(),
                         kv.value(),
-                        crate::jobs::records::RESULT_VERSION,
+                        crate::jobs::records::RESULT_VERSIONS_READ,
                     ) else {
                         continue;
                     };

@@ -8,12 +8,14 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+mod common;
 mod drill;
 mod serve;
 mod worker;
 
+pub use common::{validate_name, ConfigError, EtcdArgs};
 pub use drill::{DrillArgs, ALL_FAULTS};
-pub use serve::{validate_name, ConfigError, EtcdArgs, ServeArgs};
+pub use serve::ServeArgs;
 pub use worker::{RunArgs, WorkerArgs};
 
 #[derive(Debug, Parser)]

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::serve::{validate_name, ConfigError, EtcdArgs};
+use super::common::{host_name, validate_lease, validate_name, ConfigError, EtcdArgs};
 
 /// How a worker runs jobs: shared by `baton worker` and the worker embedded in `baton serve`.
 #[derive(Debug, Clone, Args)]
@@ -102,9 +102,7 @@ pub struct WorkerArgs {
 
 impl WorkerArgs {
     pub fn worker_id(&self) -> String {
-        self.worker_id
-            .clone()
-            .unwrap_or_else(super::serve::host_name)
+        self.worker_id.clone().unwrap_or_else(host_name)
     }
 
     pub fn margin(&self) -> Duration {
@@ -113,7 +111,7 @@ impl WorkerArgs {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        super::serve::validate_lease("--lease-ttl", self.lease_ttl, self.margin())?;
+        validate_lease("--lease-ttl", self.lease_ttl, self.margin())?;
         validate_name("--cluster", &self.cluster)?;
         validate_name("--worker-id", &self.worker_id())?;
         if self.etcd.etcd_endpoints.iter().all(|e| e.trim().is_empty()) {

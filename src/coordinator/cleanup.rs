@@ -31,8 +31,8 @@ use super::{CleanupConfig, Ctx, Writer};
 use crate::exec::record;
 use crate::jobs::records::{self, CleanupAssigned, JobResult, TerminalStatus};
 use crate::jobs::work::{
-    Assignment, AssignmentKind, AttemptRecord, AttemptState, WorkerRecord, ASSIGNMENT_VERSION,
-    ATTEMPT_VERSION, WORKER_VERSION,
+    Assignment, AssignmentKind, AttemptRecord, AttemptState, WorkerRecord, ATTEMPT_VERSION,
+    CLEANUP_ASSIGNMENT_VERSION, WORKER_VERSION,
 };
 use crate::jobs::{self, Snapshot};
 use crate::store::codec;
@@ -248,6 +248,7 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
             .as_ref()
             .is_some_and(|(r, _)| !r.spec.cleanup_command.is_empty());
         let mut next = result.clone();
+        next.version = records::RESULT_VERSION;
         let outcome = if stage == 0 && !has_command {
             Step::Done(false)
         } else {
@@ -268,6 +269,7 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
             Step::TermOver => return Next::Stop,
             Step::Done(ran) => {
                 p.attempts += u32::from(ran);
+                p.retries = 0;
                 p.stage += 1;
                 p.stage_term = term.revision();
                 p.last_error = None;
@@ -276,7 +278,9 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
             Step::Again(why, rec_rev) => {
                 tracing::info!(job_id = id, reason = %why, "cleanup step not run; giving it again");
                 p.last_error = Some(why);
-                p.next_retry_ms = records::now_ms() + 1000;
+                p.retries += 1;
+                let backoff = Duration::from_secs(1) * 2u32.pow(p.retries.min(6) - 1);
+                p.next_retry_ms = records::now_ms() + backoff.as_millis() as u64;
                 if let Some(a) = &assigned {
                     let key = ctx.keys.cleanup_record(id, &a.step);
                     compares.push(match rec_rev {
@@ -286,6 +290,7 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
                 }
             }
             Step::Failed(e) => {
+                p.retries = 0;
                 p.attempts += 1;
                 p.last_error = Some(e.clone());
                 let cfg = &ctx.config.cleanup;
@@ -457,14 +462,23 @@ async fn assign_step(
             },
         }
     } else {
-        let open: Vec<_> = workers.iter().filter(|w| !w.3.draining).collect();
+        let open: Vec<_> = workers
+            .iter()
+            .filter(|w| !w.3.draining && w.3.cleanup_capacity > 0)
+            .collect();
         if open.is_empty() {
             return Step::Again("no live worker to run the cleanup command".into(), None);
         }
+        // The worker that ran the job first (its folder is there); another on each retry.
+        let own = open
+            .iter()
+            .position(|w| Some(&w.0) == result.worker.as_ref() && w.1 == result.worker_rev);
+        let retries = result.cleanup.retries as usize;
         let spread = id
             .bytes()
             .fold(0usize, |h, b| h.wrapping_mul(31).wrapping_add(b as usize));
-        open[spread % open.len()].clone()
+        let at = own.unwrap_or(spread) + retries;
+        open[at % open.len()].clone()
     };
     let (wid, wrev, wmod, rec) = pick;
     let attempt = result.cleanup.attempts + 1;
@@ -508,7 +522,7 @@ async fn assign_step(
         ctx.take_start().await;
     }
     let assignment = Assignment {
-        version: ASSIGNMENT_VERSION,
+        version: CLEANUP_ASSIGNMENT_VERSION,
         kind,
         job_id: id.to_string(),
         attempt,
@@ -516,7 +530,8 @@ async fn assign_step(
         spec,
         term: writer.term().revision(),
     };
-    next.cleanup.assigned = Some(CleanupAssigned {
+    let mut written = next.clone();
+    written.cleanup.assigned = Some(CleanupAssigned {
         worker: wid.clone(),
         worker_rev: wrev,
         worker_ttl_ms: rec.lease_ttl_ms + rec.margin_ms,
@@ -532,7 +547,7 @@ async fn assign_step(
         Compare::mod_revision(worker_key, CompareOp::Equal, wmod),
     ];
     let mut ops = vec![
-        TxnOp::put(k.dirty, codec::encode(&*next), None),
+        TxnOp::put(k.dirty, codec::encode(&written), None),
         // A record left by an earlier run of this step (a folder removal, say) is not this one's.
         TxnOp::delete(record_key, None),
         TxnOp::put(
@@ -544,7 +559,11 @@ async fn assign_step(
     if snap.cleanup_now {
         ops.push(TxnOp::delete(k.cleanup_now, None));
     }
-    match writer.commit(compares, ops).await {
+    let committed = writer.commit(compares, ops).await;
+    if !matches!(&committed, Ok(c) if c.applied()) && kind == AssignmentKind::Cleanup {
+        ctx.starts().give_back();
+    }
+    match committed {
         Ok(c) if c.applied() => {
             tracing::info!(job_id = id, worker = %wid, step = %step, "cleanup step assigned");
             Step::Assigned
@@ -553,7 +572,9 @@ async fn assign_step(
             "the worker or the result changed; trying again".into(),
             None,
         ),
-        Err(_) => Step::TermOver,
+        Err(crate::election::FenceError::Deposed { .. }) => Step::TermOver,
+        // Whether it applied is unknown: the next pass reads the entry and knows.
+        Err(e) => Step::Again(format!("cannot record the assignment: {e}"), None),
     }
 }
 
@@ -617,6 +638,8 @@ async fn finish(ctx: &Ctx, writer: &Writer, snap: &Snapshot, mut result: JobResu
     result.cleanup.done_ms = records::now_ms();
     result.cleanup.next_retry_ms = 0;
     result.cleanup.last_error = None;
+    result.cleanup.assigned = None;
+    result.version = records::RESULT_VERSION;
     let mut compares = vec![Compare::mod_revision(
         k.dirty.clone(),
         CompareOp::Equal,
@@ -629,7 +652,7 @@ async fn finish(ctx: &Ctx, writer: &Writer, snap: &Snapshot, mut result: JobResu
             *incarnation,
         ));
     }
-    let ops = vec![
+    let mut ops = vec![
         TxnOp::delete(k.spec, None),
         TxnOp::delete(k.cancel, None),
         TxnOp::delete(k.cleanup_now, None),
@@ -640,13 +663,26 @@ async fn finish(ctx: &Ctx, writer: &Writer, snap: &Snapshot, mut result: JobResu
         ),
         TxnOp::put(k.clean, codec::encode(&result), None),
     ];
+    // A step's assignment left over (a worker that never answered) goes too.
+    let leftover = snap
+        .dirty
+        .as_ref()
+        .and_then(|d| d.cleanup.assigned.as_ref());
+    ops.extend(leftover.map(|a| {
+        TxnOp::delete(
+            ctx.keys
+                .cleanup_assignment(&a.worker, a.worker_rev, &snap.id),
+            None,
+        )
+    }));
     match writer.commit(compares, ops).await {
         Ok(c) if c.applied() => {
             tracing::info!(job_id = %snap.id, attempts = result.cleanup.attempts, "cleanup done; result is clean");
             Next::Done
         }
         Ok(_) => Next::At(records::now_ms()),
-        Err(_) => Next::Stop,
+        Err(crate::election::FenceError::Deposed { .. }) => Next::Stop,
+        Err(_) => Next::At(records::now_ms() + 500),
     }
 }
 
@@ -665,7 +701,8 @@ async fn expire_clean(ctx: &Ctx, writer: &Writer) {
             if let Some(id) = Keys::id_in(&prefix, kv.key()) {
                 after = id.to_string();
             }
-            let Ok(r) = codec::decode::<JobResult>(kv.key(), kv.value(), records::RESULT_VERSION)
+            let Ok(r) =
+                codec::decode_any::<JobResult>(kv.key(), kv.value(), records::RESULT_VERSIONS_READ)
             else {
                 continue;
             };

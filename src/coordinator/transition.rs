@@ -197,11 +197,12 @@ pub(super) async fn transition(
                 Some(AttemptState::Lost) => job.requeue(Requeue::Lost).await,
                 Some(AttemptState::Preempted) => job.requeue(Requeue::Preempted).await,
                 Some(AttemptState::Rejected) => {
-                    let full = rec
+                    // Its own local failures (a folder, the guard binary), not load or etcd.
+                    let broken = rec
                         .as_ref()
                         .and_then(|(r, _)| r.reason.as_deref())
-                        .is_some_and(|r| r.contains("full"));
-                    if !full {
+                        .is_some_and(|r| r.starts_with("cannot"));
+                    if broken {
                         // It could not start it: give it nothing for a while (Nomad's ineligible).
                         fleet
                             .lock()

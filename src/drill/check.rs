@@ -232,7 +232,7 @@ pub async fn verify(
         .await?
         .into_iter()
         .filter_map(|(id, v)| {
-            codec::decode(id.as_bytes(), &v, records::RESULT_VERSION)
+            codec::decode_any(id.as_bytes(), &v, records::RESULT_VERSIONS_READ)
                 .ok()
                 .map(|r| (id, r))
         })

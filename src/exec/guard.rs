@@ -264,8 +264,12 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
             loop {
                 let _ = killpg(group, Signal::SIGKILL);
                 reap_orphans();
-                if killpg(group, None).is_err() {
-                    break;
+                match killpg(group, None) {
+                    Err(nix::errno::Errno::ESRCH) => break,
+                    // Only zombies left (their parent left the group and never reaps them):
+                    // nothing of the job runs any more.
+                    _ if only_zombies(pid) => break,
+                    _ => {}
                 }
                 if BootInstant::now() >= told {
                     eprintln!(
@@ -332,6 +336,35 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
             }
         }
     }
+}
+
+/// Whether every process left in group `pgid` is a zombie (from /proc).
+fn only_zombies(pgid: i32) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid pgrp ...`: comm may hold spaces, so split after the last ')'.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let mut f = rest.split_whitespace();
+        let (state, _ppid, pgrp) = (f.next(), f.next(), f.next());
+        if pgrp.and_then(|g| g.parse::<i32>().ok()) == Some(pgid) && state != Some("Z") {
+            return false;
+        }
+    }
+    true
 }
 
 /// Reaps every exited descendant that was handed to the guard as their subreaper.

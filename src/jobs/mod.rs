@@ -177,10 +177,10 @@ fn snapshot_from(
             })
             .transpose()?,
         dirty: dirty
-            .map(|kv| codec::decode(kv.key(), kv.value(), records::RESULT_VERSION))
+            .map(|kv| codec::decode_any(kv.key(), kv.value(), records::RESULT_VERSIONS_READ))
             .transpose()?,
         clean: clean
-            .map(|kv| codec::decode(kv.key(), kv.value(), records::RESULT_VERSION))
+            .map(|kv| codec::decode_any(kv.key(), kv.value(), records::RESULT_VERSIONS_READ))
             .transpose()?,
         cancel: cancel
             .map(|kv| codec::decode(kv.key(), kv.value(), records::CANCEL_VERSION))

@@ -9,7 +9,10 @@ use serde::{Deserialize, Serialize};
 /// entry was run by an older leader itself; it is rescheduled (that leader's term is over).
 pub const REGISTRY_VERSION: u32 = 2;
 pub const REGISTRY_VERSIONS_READ: &[u32] = &[1, 2];
-pub const RESULT_VERSION: u32 = 1;
+/// Version 2: the dirty entry may record a cleanup step given to a worker, which a version 1
+/// reader (an older leader) would not see and would run itself; it reads version 2 as corrupt.
+pub const RESULT_VERSION: u32 = 2;
+pub const RESULT_VERSIONS_READ: &[u32] = &[1, 2];
 pub const CANCEL_VERSION: u32 = 1;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -101,6 +104,10 @@ pub struct CleanupProgress {
     pub needs_operator: bool,
     #[serde(default)]
     pub done_ms: u64,
+    /// Tries of the current stage that ran nothing (no worker, rejected, lost): they back off,
+    /// uncounted.
+    #[serde(default)]
+    pub retries: u32,
     /// The cleanup step a worker has been given, if any (recorded before it may start).
     #[serde(default)]
     pub assigned: Option<CleanupAssigned>,

@@ -16,7 +16,11 @@ use serde::{Deserialize, Serialize};
 use super::spec::JobSpec;
 
 pub const WORKER_VERSION: u32 = 1;
+/// Job assignments are version 1; cleanup steps are version 2, which a worker of the previous
+/// release refuses (it would take them for jobs) instead of running.
 pub const ASSIGNMENT_VERSION: u32 = 1;
+pub const CLEANUP_ASSIGNMENT_VERSION: u32 = 2;
+pub const ASSIGNMENT_VERSIONS_READ: &[u32] = &[1, 2];
 pub const ATTEMPT_VERSION: u32 = 1;
 
 /// `workers/<id>`.

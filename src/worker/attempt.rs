@@ -100,6 +100,9 @@ pub(super) async fn run_reported(
     let (id, attempt) = (a.job_id.clone(), a.attempt);
     if tokio::spawn(run(inc.clone(), a, token, ctl)).await.is_err() {
         tracing::error!(job_id = %id, token, "the attempt's task failed; reporting it lost");
+        // Its guard's pipe closed with the task: the guard kills the group at once. Give it
+        // time to find the group empty before saying the execution is over.
+        tokio::time::sleep(inc.config.guard.kill_grace + Duration::from_secs(5)).await;
         let rec = AttemptRecord {
             version: ATTEMPT_VERSION,
             state: AttemptState::Lost,
@@ -160,7 +163,30 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
     }
     let dir = record::job_dir(&cfg.storage_dir, &id);
     if a.kind == AssignmentKind::Folder {
-        let end = match std::fs::remove_dir_all(&dir) {
+        let started = AttemptRecord {
+            state: AttemptState::Started,
+            at_ms: now_ms(),
+            ..base.clone()
+        };
+        // Fenced like a start, so a removal taken back never runs beside its retry.
+        if !matches!(accept(&inc, &keys, token, &started).await, Accept::Yes) {
+            return;
+        }
+        let target = dir.clone();
+        let removed = tokio::task::spawn_blocking(move || {
+            // Out of the way first (one rename), then deleted off the runtime's threads.
+            // `~` is in no job id: the trash never meets a job's folder.
+            let mut name = target.file_name().unwrap_or_default().to_os_string();
+            name.push(format!("~removing-{token}"));
+            let trash = target.with_file_name(name);
+            match std::fs::rename(&target, &trash) {
+                Ok(()) => std::fs::remove_dir_all(&trash),
+                Err(e) => Err(e),
+            }
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+        let end = match removed {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => AttemptRecord {
                 state: AttemptState::Exited,
                 exit_code: Some(1),

@@ -19,7 +19,7 @@ use tracing::Instrument;
 use super::attempt::{self, Control, Incarnation};
 use super::WorkerConfig;
 use crate::election::Lease;
-use crate::jobs::work::{Assignment, ASSIGNMENT_VERSION};
+use crate::jobs::work::{Assignment, ASSIGNMENT_VERSIONS_READ};
 use crate::store::{codec, Keys, Store};
 
 pub(super) enum End {
@@ -41,7 +41,8 @@ struct Loop {
 impl Loop {
     /// An assignment (put) seen at revision `token`, under `slot` (`<job>` or `cleanup/<job>`).
     fn assigned(&mut self, slot: &str, kv: &etcd_client::KeyValue) {
-        let Ok(a) = codec::decode::<Assignment>(kv.key(), kv.value(), ASSIGNMENT_VERSION) else {
+        let Ok(a) = codec::decode_any::<Assignment>(kv.key(), kv.value(), ASSIGNMENT_VERSIONS_READ)
+        else {
             return;
         };
         let token = kv.mod_revision();

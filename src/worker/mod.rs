@@ -51,7 +51,6 @@ pub struct WorkerConfig {
 
 /// Runs the worker until `stop`; then preempts its jobs and revokes its lease.
 pub async fn run(store: Store, keys: Keys, config: WorkerConfig, stop: CancellationToken) {
-    let mut first = true;
     let mut pause = Duration::from_millis(200);
     while !stop.is_cancelled() {
         let margin = config.guard.margin;
@@ -76,10 +75,8 @@ pub async fn run(store: Store, keys: Keys, config: WorkerConfig, stop: Cancellat
                 continue;
             }
         };
-        if first {
-            first = false;
-            registration::sweep(&store, &keys, &config).await;
-        }
+        // A new incarnation runs nothing: folders of jobs that are gone, go.
+        registration::sweep(&store, &keys, &config).await;
         let span = tracing::info_span!("worker", worker = %config.worker_id, incarnation = rev);
         let end = {
             let _e = span.enter();

@@ -131,6 +131,13 @@ pub(super) async fn sweep(store: &Store, keys: &Keys, config: &WorkerConfig) {
         let Some(id) = entry.file_name().to_str().map(str::to_owned) else {
             continue;
         };
+        if id.contains("~removing-") {
+            // A removal cut short.
+            if std::fs::remove_dir_all(entry.path()).is_ok() {
+                removed += 1;
+            }
+            continue;
+        }
         if crate::jobs::spec::validate_id(&id).is_err() {
             continue;
         }
