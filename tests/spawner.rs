@@ -32,9 +32,11 @@ fn with_ledger(extra: &[&str]) -> (tempfile::TempDir, std::path::PathBuf, Cluste
     (scratch, path, c)
 }
 
+/// The ledger's complete lines: a guard may be in the middle of appending the last one.
 fn ledger(path: &std::path::Path) -> Vec<LedgerEntry> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let complete = text.rfind('\n').map_or("", |end| &text[..=end]);
+    complete
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("ledger line {l:?}: {e}")))
         .collect()
