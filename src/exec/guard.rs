@@ -260,7 +260,11 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
             // wait until it is empty, so an immediate reschedule cannot overlap it. A process
             // that SIGKILL cannot end (stuck in the kernel) holds the attempt open, and its
             // slot taken, for as long as it lives.
+            // Polled with a growing pause, and /proc scanned at most once a second: hundreds
+            // of guards ending at once (a worker's lease lost) must not load the host.
             let mut told = BootInstant::now() + Duration::from_secs(10);
+            let mut scan_at = BootInstant::now() + Duration::from_millis(200);
+            let mut pause = Duration::from_millis(1);
             loop {
                 let _ = killpg(group, Signal::SIGKILL);
                 reap_orphans();
@@ -268,7 +272,12 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
                     Err(nix::errno::Errno::ESRCH) => break,
                     // Only zombies left (their parent left the group and never reaps them):
                     // nothing of the job runs any more.
-                    _ if only_zombies(pid) => break,
+                    _ if BootInstant::now() >= scan_at => {
+                        if only_zombies(pid) {
+                            break;
+                        }
+                        scan_at = BootInstant::now() + Duration::from_secs(1);
+                    }
                     _ => {}
                 }
                 if BootInstant::now() >= told {
@@ -278,7 +287,8 @@ fn guard(args: GuardArgs) -> std::io::Result<i32> {
                     );
                     told = BootInstant::now() + Duration::from_secs(60);
                 }
-                std::thread::sleep(Duration::from_millis(5));
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(100));
             }
             // A kill that lost the race against a normal exit did not end the job.
             let killed_by = match killed_by {
