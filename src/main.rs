@@ -2,7 +2,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use baton::config::{Cli, Command, JobCommand, LeaderCommand};
+use baton::config::{Cli, Command, JobCommand, LeaderCommand, WorkerCommand};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -28,7 +28,12 @@ fn main() -> ExitCode {
     let result: anyhow::Result<()> = rt.block_on(async {
         match cli.command {
             Command::Serve(args) => Ok(baton::server::run(*args).await?),
-            Command::Worker(args) => Ok(baton::server::run_worker(*args).await?),
+            Command::Worker(args) => match &args.command {
+                Some(WorkerCommand::List(c)) => baton::cli::workers::list(c).await,
+                Some(WorkerCommand::Drain(a)) => baton::cli::workers::drain(a, true).await,
+                Some(WorkerCommand::Undrain(a)) => baton::cli::workers::drain(a, false).await,
+                None => Ok(baton::server::run_worker(*args).await?),
+            },
             Command::Dev(args) => baton::devcluster::run_dev(args).await,
             Command::Leader { command } => match command {
                 LeaderCommand::Get(args) => baton::cli::leader_get(&args).await,

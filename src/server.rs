@@ -1,8 +1,9 @@
 //! `baton serve`: one replica. Wires etcd, the election, the API and signals together.
 //!
 //! Shutdown order on SIGTERM/SIGINT: the election ends its term (leader work stops, resign,
-//! lease revoked), then the embedded worker stops its jobs (recorded `preempted`, so the next
-//! leader reschedules them at once) and revokes its lease, then the API drains, then the process
+//! lease revoked), then the embedded worker drains (no new jobs; running ones get
+//! `--drain-timeout`, then are recorded `preempted`, so the leader reschedules them at once)
+//! and revokes its lease, then the API drains, then the process
 //! exits 0. The next replica takes over as soon as the resign lands, not a TTL later.
 
 use std::time::Duration;
@@ -11,14 +12,14 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{self, ClusterApi, JobApi};
+use crate::api::{self, ClusterApi, FleetApi, JobApi, Services};
 use crate::config::{ConfigError, ServeArgs};
-use crate::config::{RunArgs, WorkerArgs};
+use crate::config::{EtcdArgs, RunArgs, WorkerArgs};
 use crate::coordinator::{self, CleanupConfig, CoordinatorConfig};
 use crate::election::{self, ElectionConfig, Role};
 use crate::exec::spawner::GuardSettings;
 use crate::store::{self, Keys, Store};
-use crate::worker::{self, WorkerConfig};
+use crate::worker::{self, WorkerConfig, WorkerLogs};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -47,19 +48,13 @@ pub enum Error {
 pub async fn run(args: ServeArgs) -> Result<(), Error> {
     args.validate()?;
     let replica_id = args.replica_id();
-    let keys = Keys::new(&args.cluster);
-    let store = Store::connect(args.etcd.etcd_config()).await?;
-    store
-        .wait_reachable(keys.prefix(), args.etcd.startup_timeout)
-        .await?;
-    let storage_dir = storage_dir(&args.run)?;
-    let guard_bin = std::env::current_exe().map_err(Error::GuardBinary)?;
-    let listener = TcpListener::bind(args.listen)
-        .await
-        .map_err(|source| Error::Listen {
-            addr: args.listen,
-            source,
-        })?;
+    let Opened {
+        keys,
+        store,
+        storage_dir,
+        guard_bin,
+        listener,
+    } = open(&args.etcd, &args.cluster, &args.run, args.listen).await?;
 
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone())?;
@@ -114,17 +109,14 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
     ));
     let worker_stop = CancellationToken::new();
     let embedded = args.worker.then(|| {
-        let cfg = WorkerConfig {
-            worker_id: replica_id.clone(),
-            advertise: args.advertise(),
-            capacity: args.run.max_running,
-            max_cleanups: args.run.max_cleanups,
-            labels: args.run.labels(),
-            storage_dir: storage_dir.clone(),
+        let cfg = worker_config(
+            &replica_id,
+            args.advertise(),
+            &args.run,
+            &storage_dir,
             guard,
-            lease_ttl: args.lease_ttl,
-            assign_timeout: args.run.assign_timeout,
-        };
+            args.lease_ttl,
+        );
         tokio::spawn(worker::run(
             store.clone(),
             keys.clone(),
@@ -133,12 +125,15 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         ))
     });
     let api_stop = CancellationToken::new();
-    let jobs = JobApi::new(store.clone(), keys.clone(), replica_id.clone(), storage_dir);
-    let cluster = ClusterApi::new(store, keys, replica_id.clone(), role_rx, cmd_tx);
+    let services = Services {
+        jobs: JobApi::new(store.clone(), keys.clone(), replica_id.clone()),
+        fleet: FleetApi::new(store.clone(), keys.clone(), replica_id.clone()),
+        cluster: ClusterApi::new(store, keys, replica_id.clone(), role_rx, cmd_tx),
+        worker: args.worker.then(|| WorkerLogs::new(storage_dir)),
+    };
     let server = tokio::spawn(api::serve(
         listener,
-        cluster,
-        jobs,
+        services,
         shutdown.clone(),
         api_stop.clone(),
     ));
@@ -160,10 +155,70 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
     Ok(())
 }
 
+/// What both `serve` and `worker` need before they start: etcd reached, the scratch folder,
+/// the guard binary, the listener.
+struct Opened {
+    keys: Keys,
+    store: Store,
+    storage_dir: std::path::PathBuf,
+    guard_bin: std::path::PathBuf,
+    listener: TcpListener,
+}
+
+async fn open(
+    etcd: &EtcdArgs,
+    cluster: &str,
+    run: &RunArgs,
+    listen: std::net::SocketAddr,
+) -> Result<Opened, Error> {
+    let keys = Keys::new(cluster);
+    let store = Store::connect(etcd.etcd_config()).await?;
+    store
+        .wait_reachable(keys.prefix(), etcd.startup_timeout)
+        .await?;
+    let storage_dir = storage_dir(run)?;
+    let guard_bin = std::env::current_exe().map_err(Error::GuardBinary)?;
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|source| Error::Listen {
+            addr: listen,
+            source,
+        })?;
+    Ok(Opened {
+        keys,
+        store,
+        storage_dir,
+        guard_bin,
+        listener,
+    })
+}
+
 fn storage_dir(run: &RunArgs) -> Result<std::path::PathBuf, Error> {
     let dir = &run.storage_dir;
     std::fs::create_dir_all(dir).map_err(|e| Error::Storage(dir.clone(), e))?;
     std::fs::canonicalize(dir).map_err(|e| Error::Storage(dir.clone(), e))
+}
+
+fn worker_config(
+    id: &str,
+    advertise: String,
+    run: &RunArgs,
+    storage_dir: &std::path::Path,
+    guard: GuardSettings,
+    lease_ttl: Duration,
+) -> WorkerConfig {
+    WorkerConfig {
+        worker_id: id.to_string(),
+        advertise,
+        capacity: run.max_running,
+        max_cleanups: run.max_cleanups,
+        labels: run.labels(),
+        storage_dir: storage_dir.to_path_buf(),
+        guard,
+        lease_ttl,
+        assign_timeout: run.assign_timeout,
+        drain_timeout: run.drain_timeout,
+    }
 }
 
 fn guard_settings(run: &RunArgs, guard_bin: std::path::PathBuf, margin: Duration) -> GuardSettings {
@@ -177,53 +232,42 @@ fn guard_settings(run: &RunArgs, guard_bin: std::path::PathBuf, margin: Duration
     }
 }
 
-/// `baton worker`: runs assigned jobs until SIGTERM/SIGINT, then preempts them and revokes its
-/// lease.
+/// `baton worker`: runs assigned jobs until SIGTERM/SIGINT, then drains (running jobs get
+/// `--drain-timeout`, the rest are preempted), revokes its lease and returns.
 pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
     args.validate()?;
-    let keys = Keys::new(&args.cluster);
-    let store = Store::connect(args.etcd.etcd_config()).await?;
-    store
-        .wait_reachable(keys.prefix(), args.etcd.startup_timeout)
-        .await?;
-    let storage_dir = storage_dir(&args.run)?;
-    let guard_bin = std::env::current_exe().map_err(Error::GuardBinary)?;
-    let worker_id = args.worker_id();
-    let listener = match args.listen {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| Error::Listen { addr, source })?,
-        ),
-        None => None,
-    };
-    let advertise = args
-        .advertise
-        .clone()
-        .or(args.listen.map(|a| a.to_string()))
-        .unwrap_or_else(|| worker_id.clone());
-    let cfg = WorkerConfig {
-        worker_id: worker_id.clone(),
-        advertise,
-        capacity: args.run.max_running,
-        max_cleanups: args.run.max_cleanups,
-        labels: args.run.labels(),
+    let Opened {
+        keys,
+        store,
         storage_dir,
-        guard: guard_settings(&args.run, guard_bin, args.margin()),
-        lease_ttl: args.lease_ttl,
-        assign_timeout: args.run.assign_timeout,
-    };
+        guard_bin,
+        listener,
+    } = open(&args.etcd, &args.cluster, &args.run, args.listen).await?;
+    let worker_id = args.worker_id();
+    let advertise = args.advertise();
+    let guard = guard_settings(&args.run, guard_bin, args.margin());
+    let cfg = worker_config(
+        &worker_id,
+        advertise,
+        &args.run,
+        &storage_dir,
+        guard,
+        args.lease_ttl,
+    );
     tracing::info!(worker = %worker_id, cluster = %args.cluster, capacity = cfg.capacity, "worker starting");
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone())?;
     let api_stop = CancellationToken::new();
-    let health =
-        listener.map(|l| tokio::spawn(api::serve_health(l, shutdown.clone(), api_stop.clone())));
+    let logs = WorkerLogs::new(storage_dir);
+    let health = tokio::spawn(api::serve_worker(
+        listener,
+        logs,
+        shutdown.clone(),
+        api_stop.clone(),
+    ));
     worker::run(store, keys, cfg, shutdown).await;
     api_stop.cancel();
-    if let Some(h) = health {
-        let _ = tokio::time::timeout(Duration::from_secs(5), h).await;
-    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), health).await;
     Ok(())
 }
 

@@ -5,24 +5,13 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use baton::exec::record::KilledBy;
 use support::*;
 
 const LONG: Duration = Duration::from_secs(60);
-
-/// Coordinators only, `workers` separate workers with `worker_args`, cleanup held (folders stay).
-fn opts(workers: usize, worker_args: &[&str]) -> Options {
-    Options {
-        embedded: false,
-        workers,
-        worker_args: worker_args.iter().map(|s| s.to_string()).collect(),
-        extra_args: vec!["--cleanup-pause-after-stage".into(), "0".into()],
-        ..Options::default()
-    }
-}
 
 /// A job that notes each of its executions in `out/<id>` and runs until `out/release` exists.
 fn held(out: &Path) -> JobSpec {
@@ -36,12 +25,6 @@ fn held(out: &Path) -> JobSpec {
 
 fn runs(out: &Path, id: &str) -> usize {
     line_count(&out.join(id))
-}
-
-fn scratch(c: &Cluster) -> PathBuf {
-    let d = c.dir.path().join("out");
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 /// Every job started once and each still runs its first attempt; then they are released and
@@ -72,7 +55,7 @@ async fn submit_held(c: &Cluster, out: &Path, n: usize) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_sigkill_handover_and_resign_restart_none_of_twenty_jobs_on_workers() {
-    let mut c = Cluster::start(opts(2, &[]));
+    let mut c = Cluster::start(worker_opts(2, &[]));
     let (_, first) = c.leader_index().await;
     c.wait_workers(&["w1", "w2"]).await;
     let out = scratch(&c);
@@ -114,7 +97,7 @@ async fn leader_sigkill_handover_and_resign_restart_none_of_twenty_jobs_on_worke
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_of_three_coordinators_restarts_nothing() {
-    let mut c = Cluster::start(opts(2, &[]));
+    let mut c = Cluster::start(worker_opts(2, &[]));
     c.leader_index().await;
     c.wait_workers(&["w1", "w2"]).await;
     let out = scratch(&c);
@@ -142,7 +125,7 @@ async fn a_job_that_exits_during_a_short_worker_outage_is_recorded_once() {
     let c = Cluster::start(Options {
         ttl: Duration::from_secs(6),
         proxied: true,
-        ..opts(1, &[])
+        ..worker_opts(1, &[])
     });
     c.leader_index().await;
     c.wait_workers(&["w1"]).await;
@@ -170,7 +153,7 @@ async fn a_job_that_exits_during_a_short_worker_outage_is_recorded_once() {
 async fn a_worker_cut_off_beyond_its_ttl_kills_its_job_before_it_runs_elsewhere() {
     let mut c = Cluster::start(Options {
         proxied: true,
-        ..opts(1, &[])
+        ..worker_opts(1, &[])
     });
     c.leader_index().await;
     c.wait_workers(&["w1"]).await;
@@ -200,7 +183,7 @@ async fn a_worker_cut_off_beyond_its_ttl_kills_its_job_before_it_runs_elsewhere(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_key_revoked_early_stops_its_job_before_it_runs_elsewhere() {
-    let mut c = Cluster::start(opts(1, &[]));
+    let mut c = Cluster::start(worker_opts(1, &[]));
     c.leader_index().await;
     c.wait_workers(&["w1"]).await;
     let out = scratch(&c);
@@ -238,7 +221,10 @@ async fn a_worker_key_revoked_early_stops_its_job_before_it_runs_elsewhere() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_assignment_nobody_answers_is_taken_back_and_runs_elsewhere() {
-    let mut c = Cluster::start(opts(1, &["--lease-ttl", "30s", "--assign-timeout", "2s"]));
+    let mut c = Cluster::start(worker_opts(
+        1,
+        &["--lease-ttl", "30s", "--assign-timeout", "2s"],
+    ));
     c.leader_index().await;
     c.wait_workers(&["w1"]).await;
     c.workers[0].pause();
@@ -274,7 +260,7 @@ async fn an_assignment_nobody_answers_is_taken_back_and_runs_elsewhere() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_live_worker_jobs_wait_with_the_reason_and_start_when_one_registers() {
-    let mut c = Cluster::start(opts(0, &[]));
+    let mut c = Cluster::start(worker_opts(0, &[]));
     c.leader_index().await;
     c.submit(0, "patient", sh("exit 0")).await;
     let j = c
@@ -317,7 +303,12 @@ async fn without_a_live_worker_jobs_wait_with_the_reason_and_start_when_one_regi
 async fn sigterm_of_a_replica_preempts_its_embedded_workers_jobs_which_restart_at_once_uncounted() {
     let mut c = Cluster::start(Options {
         ttl: Duration::from_secs(10),
-        extra_args: vec!["--cleanup-pause-after-stage".into(), "0".into()],
+        extra_args: vec![
+            "--cleanup-pause-after-stage".into(),
+            "0".into(),
+            "--drain-timeout".into(),
+            "1s".into(),
+        ],
         ..Options::default()
     });
     c.leader_index().await;
@@ -333,6 +324,7 @@ async fn sigterm_of_a_replica_preempts_its_embedded_workers_jobs_which_restart_a
             .to_string()
     };
     let victim = on(&ids[0]);
+    let hit: Vec<String> = ids.iter().filter(|id| on(id) == victim).cloned().collect();
     let k = c.index_of(&victim);
     let stopped = std::time::Instant::now();
     c.replicas[k].sigterm();
@@ -353,12 +345,14 @@ async fn sigterm_of_a_replica_preempts_its_embedded_workers_jobs_which_restart_a
         assert_eq!(state(&j), JobState::Finished, "{id}: {j:?}");
         assert_eq!(j.recoveries, 0, "a preemption is not a recovery: {j:?}");
         assert_eq!(j.failed_attempts, 0, "{j:?}");
+        let moved = u32::from(hit.contains(id));
+        assert_eq!(j.preemptions, moved, "counted apart from failures: {j:?}");
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_version_1_running_entry_of_an_older_leader_is_rescheduled() {
-    let mut c = Cluster::start(opts(0, &[]));
+    let mut c = Cluster::start(worker_opts(0, &[]));
     c.leader_index().await;
     let out = scratch(&c);
     let mut spec = sh("env | grep ^BATON_RECOVERED >> \"$OUT/old\"; exit 0");

@@ -1,8 +1,7 @@
 //! `baton.v1.JobService`: submission, reads, cancel, watch and logs, served by every replica
-//! straight from etcd (and this host's job folders for logs).
+//! straight from etcd (and, for logs, from the workers that ran the job).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -10,7 +9,6 @@ use etcd_client::WatchOptions;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::exec::record;
 use crate::jobs::records::{self, JobResult, RegistryEntry, RegistryStatus};
 use crate::jobs::spec::{self, JobSpec};
 use crate::jobs::{self, Snapshot, State};
@@ -26,16 +24,14 @@ pub struct JobApi {
     store: Store,
     keys: Keys,
     replica_id: String,
-    storage_dir: PathBuf,
 }
 
 impl JobApi {
-    pub fn new(store: Store, keys: Keys, replica_id: String, storage_dir: PathBuf) -> Self {
+    pub fn new(store: Store, keys: Keys, replica_id: String) -> Self {
         Self {
             store,
             keys,
             replica_id,
-            storage_dir,
         }
     }
 }
@@ -57,6 +53,7 @@ fn spec_proto(s: &JobSpec) -> proto::JobSpec {
         cleanup_command: s.cleanup_command.clone(),
         max_attempts: s.max_attempts,
         timeout: prost_types::Duration::try_from(s.timeout).ok(),
+        worker_selector: s.worker_selector.clone().into_iter().collect(),
     }
 }
 
@@ -90,6 +87,8 @@ fn from_result(job: &mut proto::Job, r: &JobResult) {
     job.attempts = r.attempts;
     job.failed_attempts = r.failed_attempts;
     job.recoveries = r.recoveries;
+    job.preemptions = r.preemptions;
+    job.worker = r.worker.clone().unwrap_or_default();
     job.has_exit_code = r.exit_code.is_some();
     job.exit_code = r.exit_code.unwrap_or_default();
     job.signal = r.signal.unwrap_or_default();
@@ -108,38 +107,14 @@ fn from_registry(job: &mut proto::Job, e: &RegistryEntry) {
     job.attempts = e.attempt;
     job.failed_attempts = e.failed_attempts;
     job.recoveries = e.recoveries;
+    job.preemptions = e.preemptions;
+    if let Some(w) = &e.worker {
+        job.worker = w.clone();
+    }
     job.error = e.last_error.clone().unwrap_or_default();
     job.started_unix_ms = e.first_started_ms as i64;
     if e.status == RegistryStatus::Pending {
         job.waiting_reason = waiting_reason(e, records::now_ms());
-    }
-}
-
-impl JobApi {
-    /// Why no worker takes a due PENDING job, when the workers' keys tell: none is live, or
-    /// every live one is draining.
-    async fn fleet_reason(&self) -> Option<String> {
-        let mut c = self.store.client();
-        let get = c.get(
-            self.keys.workers(),
-            Some(etcd_client::GetOptions::new().with_prefix()),
-        );
-        let resp = self.store.timed("list workers", get).await.ok()?;
-        let open = resp.kvs().iter().any(|kv| {
-            codec::decode::<crate::jobs::work::WorkerRecord>(
-                kv.key(),
-                kv.value(),
-                crate::jobs::work::WORKER_VERSION,
-            )
-            .is_ok_and(|w| !w.draining)
-        });
-        match (resp.kvs().is_empty(), open) {
-            (true, _) => Some("no live worker: the job starts when a worker registers".into()),
-            (false, false) => {
-                Some("every live worker is draining: the job starts when one takes jobs".into())
-            }
-            _ => None,
-        }
     }
 }
 
@@ -152,6 +127,32 @@ fn waiting_reason(e: &RegistryEntry, now_ms: u64) -> String {
     "queued: jobs start in submission order, within the workers' free slots (--max-running \
      each) and --max-starts-per-second"
         .into()
+}
+
+fn attempt_proto(token: i64, a: &crate::jobs::work::AttemptRecord) -> proto::AttemptInfo {
+    use crate::jobs::work::AttemptState as S;
+    proto::AttemptInfo {
+        attempt: a.attempt,
+        token,
+        worker: a.worker.clone(),
+        state: match a.state {
+            S::Started => "started",
+            S::Exited => "exited",
+            S::Lost => "lost",
+            S::Preempted => "preempted",
+            S::Rejected => "rejected",
+        }
+        .into(),
+        has_exit_code: a.exit_code.is_some(),
+        exit_code: a.exit_code.unwrap_or_default(),
+        signal: a.signal.unwrap_or_default(),
+        reason: a
+            .reason
+            .clone()
+            .or_else(|| a.killed_by.as_ref().map(|k| format!("killed by {k}")))
+            .unwrap_or_default(),
+        at_unix_ms: a.at_ms as i64,
+    }
 }
 
 /// The user's view of a job snapshot.
@@ -174,6 +175,16 @@ pub fn job_view(s: &Snapshot) -> proto::Job {
         from_result(&mut job, r);
     }
     job.cleanup = Some(cleanup_proto(s.result(), s.is_clean()));
+    job.history = s
+        .attempts
+        .iter()
+        .map(|(token, (a, _))| attempt_proto(*token, a))
+        .collect();
+    if job.worker.is_empty() {
+        if let Some(last) = job.history.iter().rev().find(|a| a.state != "rejected") {
+            job.worker = last.worker.clone();
+        }
+    }
     if let Some(st) = s.state() {
         job.state = state_proto(st) as i32;
     }
@@ -198,7 +209,8 @@ fn resolve_spec(p: Option<proto::JobSpec>) -> Result<JobSpec, jobs::Error> {
         p.cleanup_command,
         p.max_attempts,
         timeout,
-    )?)
+    )?
+    .with_selector(p.worker_selector.into_iter().collect())?)
 }
 
 fn generated_id() -> String {
@@ -211,6 +223,7 @@ fn generated_id() -> String {
     format!("job-{:x}-{r}", crate::jobs::records::now_ms())
 }
 
+type LogStream = Pin<Box<dyn Stream<Item = Result<proto::LogChunk, Status>> + Send>>;
 type JobStream = Pin<Box<dyn Stream<Item = Result<proto::Job, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -248,8 +261,9 @@ impl JobService for JobApi {
         let mut job = job_view(&snap);
         if job.state == proto::JobState::Pending as i32 && job.waiting_reason.starts_with("queued")
         {
-            if let Some(reason) = self.fleet_reason().await {
-                job.waiting_reason = reason;
+            if let Ok(fleet) = jobs::fleet::read(&self.store, &self.keys).await {
+                let spec = snap.spec.as_ref().map(|(r, _)| &r.spec);
+                job.waiting_reason = fleet.waiting_reason(spec);
             }
         }
         Ok(Response::new(job))
@@ -409,62 +423,34 @@ impl JobService for JobApi {
         req: Request<proto::GetJobLogsRequest>,
     ) -> Result<Response<proto::GetJobLogsResponse>, Status> {
         let req = req.into_inner();
-        let snap = jobs::read(&self.store, &self.keys, &req.job_id).await?;
-        if !snap.exists() {
-            return Err(jobs::Error::NotFound(req.job_id).into());
-        }
-        let latest = snap
-            .registry
-            .as_ref()
-            .map(|(e, _)| e.attempt)
-            .or(snap.result().map(|r| r.attempts))
-            .unwrap_or(0);
-        let attempt = if req.attempt == 0 {
-            latest
-        } else {
-            req.attempt
-        };
-        if attempt == 0 {
-            return Err(Status::failed_precondition(format!(
-                "job {} has not run yet",
-                req.job_id
-            )));
-        }
         let tail = match req.tail_bytes {
             0 => 64 * 1024,
-            n => n.min(4 * 1024 * 1024) as u64,
+            n => n.min(crate::worker::READ_MAX),
         };
-        let dir = record::job_dir(&self.storage_dir, &req.job_id);
-        let path = record::log_path(&dir, &format!("attempt-{attempt}"));
-        let content = match read_tail(&path, tail) {
-            Ok(c) => c,
-            // Cleanup removed the folder: the final attempt's tail lives on in the result.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match snap.result() {
-                Some(r) if attempt == r.attempts => r.log_tail.clone().into_bytes(),
-                Some(_) => {
-                    return Err(Status::not_found(format!(
-                        "the log of attempt {attempt} was removed by cleanup; only the final attempt's tail is kept"
-                    )))
-                }
-                None => return Err(Status::not_found(format!("no log for attempt {attempt}"))),
-            },
-            Err(e) => return Err(Status::internal(format!("cannot read {}: {e}", path.display()))),
-        };
-        Ok(Response::new(proto::GetJobLogsResponse {
-            attempt,
-            content,
-        }))
+        let logs = super::logs::tail(&self.store, &self.keys, &req.job_id, req.attempt, tail);
+        Ok(Response::new(logs.await?))
     }
-}
 
-fn read_tail(path: &std::path::Path, n: u64) -> std::io::Result<Vec<u8>> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut f = std::fs::File::open(path)?;
-    let len = f.metadata()?.len();
-    f.seek(SeekFrom::Start(len.saturating_sub(n)))?;
-    let mut buf = Vec::new();
-    f.take(n).read_to_end(&mut buf)?;
-    Ok(buf)
+    type FollowJobLogsStream = LogStream;
+
+    async fn follow_job_logs(
+        &self,
+        req: Request<proto::FollowJobLogsRequest>,
+    ) -> Result<Response<LogStream>, Status> {
+        let req = req.into_inner();
+        crate::jobs::spec::validate_id(&req.job_id).map_err(jobs::Error::from)?;
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(super::logs::follow(
+            self.store.clone(),
+            self.keys.clone(),
+            req.job_id,
+            req.attempt,
+            tx,
+        ));
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
 }
 
 fn parse_token(t: &str) -> Result<(i64, String), Status> {

@@ -2,10 +2,13 @@
 //! v1alpha).
 
 mod cluster;
+mod fleet;
 mod jobs;
+mod logs;
 mod status;
 
 pub use cluster::ClusterApi;
+pub use fleet::FleetApi;
 pub use jobs::{job_view, JobApi};
 
 use std::net::SocketAddr;
@@ -17,14 +20,25 @@ use tonic::transport::Server;
 use tonic_health::server::HealthReporter;
 
 use crate::proto::cluster_service_server::ClusterServiceServer;
+use crate::proto::fleet_service_server::FleetServiceServer;
 use crate::proto::job_service_server::JobServiceServer;
+use crate::proto::worker_service_server::WorkerServiceServer;
+use crate::worker::WorkerLogs;
+
+/// What a replica serves.
+pub struct Services {
+    pub cluster: ClusterApi,
+    pub jobs: JobApi,
+    pub fleet: FleetApi,
+    /// Its embedded worker's logs, if it runs one.
+    pub worker: Option<WorkerLogs>,
+}
 
 /// Serves until `stop` fires, then drains in-flight calls. Health turns NOT_SERVING as soon as
 /// `draining` fires (the replica is handing over), so load balancers stop sending work.
 pub async fn serve(
     listener: TcpListener,
-    cluster: ClusterApi,
-    jobs: JobApi,
+    services: Services,
     draining: CancellationToken,
     stop: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
@@ -52,19 +66,29 @@ pub async fn serve(
             .await;
         health.set_not_serving::<JobServiceServer<JobApi>>().await;
     });
+    let Services {
+        cluster,
+        jobs,
+        fleet,
+        worker,
+    } = services;
     Server::builder()
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(ClusterServiceServer::new(cluster))
         .add_service(JobServiceServer::new(jobs).max_decoding_message_size(jobs::MAX_REQUEST_BYTES))
+        .add_service(FleetServiceServer::new(fleet))
+        .add_optional_service(worker.map(WorkerServiceServer::new))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop.cancelled_owned())
         .await
 }
 
-/// A worker's listener: `grpc.health.v1` only, SERVING until `draining` fires.
-pub async fn serve_health(
+/// A worker's listener: `grpc.health.v1` (SERVING until `draining` fires) and
+/// `baton.v1.WorkerService`, which the replicas read job output from.
+pub async fn serve_worker(
     listener: TcpListener,
+    logs: WorkerLogs,
     draining: CancellationToken,
     stop: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
@@ -80,6 +104,7 @@ pub async fn serve_health(
     });
     Server::builder()
         .add_service(health_service)
+        .add_service(WorkerServiceServer::new(logs))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop.cancelled_owned())
         .await
 }

@@ -11,7 +11,7 @@ impl From<jobs::Error> for Status {
         let msg = error_chain(&e);
         match e {
             Invalid(_) => Status::invalid_argument(msg),
-            NotFound(_) => Status::not_found(msg),
+            NotFound(_) | NoWorker(_) => Status::not_found(msg),
             AlreadyExists { .. } => Status::already_exists(msg),
             Terminal(_) | NotDirty(_) => Status::failed_precondition(msg),
             Store(_) => Status::unavailable(msg),

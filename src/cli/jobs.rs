@@ -10,8 +10,8 @@ use super::call_any;
 use crate::config::{CleanupArgs, JobIdArgs, ListArgs, LogsArgs, Output, SubmitArgs};
 use crate::proto::job_service_client::JobServiceClient;
 use crate::proto::{
-    CancelJobRequest, CleanupState, GetJobLogsRequest, GetJobRequest, Job, JobSpec, JobState,
-    ListJobsRequest, RetryCleanupRequest, SubmitJobRequest, WatchJobRequest,
+    CancelJobRequest, CleanupState, FollowJobLogsRequest, GetJobLogsRequest, GetJobRequest, Job,
+    JobSpec, JobState, ListJobsRequest, RetryCleanupRequest, SubmitJobRequest, WatchJobRequest,
 };
 
 /// `baton job wait` exits with the job's exit code.
@@ -57,6 +57,19 @@ pub fn job_json(j: &Job) -> serde_json::Value {
         "attempts": j.attempts,
         "failed_attempts": j.failed_attempts,
         "recoveries": j.recoveries,
+        "preemptions": j.preemptions,
+        "worker": (!j.worker.is_empty()).then_some(&j.worker),
+        "worker_selector": j.spec.as_ref().map(|s| s.worker_selector.clone()),
+        "history": j.history.iter().map(|a| json!({
+            "attempt": a.attempt,
+            "token": a.token,
+            "worker": a.worker,
+            "state": a.state,
+            "exit_code": a.has_exit_code.then_some(a.exit_code),
+            "signal": (a.signal != 0).then_some(a.signal),
+            "reason": (!a.reason.is_empty()).then_some(&a.reason),
+            "at_unix_ms": a.at_unix_ms,
+        })).collect::<Vec<_>>(),
         "exit_code": j.has_exit_code.then_some(j.exit_code),
         "signal": (j.signal != 0).then_some(j.signal),
         "error": (!j.error.is_empty()).then_some(&j.error),
@@ -89,6 +102,12 @@ fn print_job(j: &Job, output: Output) {
             line.push_str(&format!("  attempts {}", j.attempts));
             if j.recoveries > 0 {
                 line.push_str(&format!(" (recovered {})", j.recoveries));
+            }
+            if j.preemptions > 0 {
+                line.push_str(&format!(" (preempted {})", j.preemptions));
+            }
+            if !j.worker.is_empty() {
+                line.push_str(&format!("  on {}", j.worker));
             }
             if j.cancel_requested && !is_terminal(j) {
                 line.push_str("  cancel requested");
@@ -149,6 +168,13 @@ pub async fn submit(args: &SubmitArgs) -> anyhow::Result<()> {
             .ok_or_else(|| anyhow!("--env {kv:?}: expected K=V"))?;
         env.insert(k.to_string(), v.to_string());
     }
+    let mut worker_selector = std::collections::HashMap::new();
+    for kv in &args.selector {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--selector {kv:?}: expected K=V"))?;
+        worker_selector.insert(k.trim().to_string(), v.trim().to_string());
+    }
     let spec = JobSpec {
         command: args.command.clone(),
         env,
@@ -161,6 +187,7 @@ pub async fn submit(args: &SubmitArgs) -> anyhow::Result<()> {
         timeout: args
             .attempt_timeout
             .and_then(|t| prost_types::Duration::try_from(t).ok()),
+        worker_selector,
     };
     let resp = call_any(&args.client, |ch| {
         let req = SubmitJobRequest {
@@ -333,6 +360,9 @@ async fn wait_for(c: &crate::config::ClientArgs, id: &str) -> anyhow::Result<()>
 }
 
 pub async fn logs(args: &LogsArgs) -> anyhow::Result<()> {
+    if args.follow {
+        return follow(args).await;
+    }
     let resp = call_any(&args.client, |ch| {
         let req = GetJobLogsRequest {
             job_id: args.id.clone(),
@@ -368,6 +398,35 @@ pub async fn cleanup_now(args: &CleanupArgs) -> anyhow::Result<()> {
     match args.client.output {
         Output::Json => print_job(&job, Output::Json),
         Output::Text => println!("cleanup retry requested for {}", job.job_id),
+    }
+    Ok(())
+}
+
+/// Prints an attempt's output as it comes, through the first replica that answers; ends when
+/// the attempt ends.
+async fn follow(args: &LogsArgs) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut stream = call_any(&args.client, |ch| {
+        let req = FollowJobLogsRequest {
+            job_id: args.id.clone(),
+            attempt: args.attempt,
+        };
+        async move {
+            Ok(JobServiceClient::new(ch)
+                .follow_job_logs(req)
+                .await?
+                .into_inner())
+        }
+    })
+    .await?;
+    let mut out = std::io::stdout();
+    while let Some(chunk) = stream
+        .message()
+        .await
+        .map_err(|s| anyhow!("{} ({:?})", s.message(), s.code()))?
+    {
+        out.write_all(&chunk.content)?;
+        out.flush()?;
     }
     Ok(())
 }

@@ -16,7 +16,7 @@ mod worker;
 pub use common::{validate_name, ConfigError, EtcdArgs};
 pub use drill::{DrillArgs, ALL_FAULTS};
 pub use serve::ServeArgs;
-pub use worker::{RunArgs, WorkerArgs};
+pub use worker::{RunArgs, WorkerArgs, WorkerCommand, WorkerIdArgs};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -45,7 +45,8 @@ pub enum LogFormat {
 pub enum Command {
     /// Run one replica (a coordinator, and by default an embedded worker).
     Serve(Box<ServeArgs>),
-    /// Run a worker: it runs the jobs the leader assigns to it, under a lease of its own.
+    /// Run a worker (it runs the jobs the leader assigns to it, under a lease of its own), or
+    /// operate workers: `baton worker list|drain|undrain`.
     Worker(Box<WorkerArgs>),
     /// Run a private etcd and N replicas on loopback, for trying Baton out.
     Dev(DevArgs),
@@ -110,6 +111,9 @@ pub struct SubmitArgs {
     /// Failed attempts allowed (0: the default, 3).
     #[arg(long, default_value_t = 0)]
     pub max_attempts: u32,
+    /// Run only on workers with this label, `key=value`; repeatable, all must match.
+    #[arg(long = "selector", value_name = "K=V", value_delimiter = ',')]
+    pub selector: Vec<String>,
     /// Per-attempt timeout (default 24h).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub attempt_timeout: Option<Duration>,
@@ -151,6 +155,10 @@ pub struct LogsArgs {
     /// Attempt number (default: the latest).
     #[arg(long, default_value_t = 0)]
     pub attempt: u32,
+    /// Follow the attempt's output as it is written, from its start, until the attempt ends
+    /// (waiting for the first attempt if none has started).
+    #[arg(short = 'f', long)]
+    pub follow: bool,
 }
 
 #[derive(Debug, Subcommand)]

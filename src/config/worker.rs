@@ -30,7 +30,12 @@ pub struct RunArgs {
     /// The leader takes an assignment back when the worker has not recorded its start by then.
     #[arg(long, env = "BATON_ASSIGN_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10s")]
     pub assign_timeout: Duration,
-    /// Labels of this worker, `key=value`, comma-separated.
+    /// On SIGTERM or `baton worker drain`, how long running jobs may go on before they are
+    /// stopped and rescheduled elsewhere (recorded `preempted`). Jobs longer than the interval
+    /// between worker rollouts need a drain timeout to match.
+    #[arg(long, env = "BATON_DRAIN_TIMEOUT", value_parser = humantime::parse_duration, default_value = "60s")]
+    pub drain_timeout: Duration,
+    /// Labels of this worker, `key=value`, comma-separated; jobs select workers by them.
     #[arg(long, env = "BATON_LABELS", value_delimiter = ',', value_parser = parse_label)]
     pub labels: Vec<(String, String)>,
     /// Append every job and cleanup execution (start and end, from the guards) to this file.
@@ -60,14 +65,18 @@ impl RunArgs {
         if self.max_cleanups == 0 {
             return Err(ConfigError("--max-cleanups must be at least 1".into()));
         }
+        if self.drain_timeout > Duration::from_secs(24 * 3600) {
+            return Err(ConfigError("--drain-timeout must be at most 24h".into()));
+        }
         if self.assign_timeout < Duration::from_secs(1) {
             return Err(ConfigError(
                 "--assign-timeout must be at least 1s: a worker needs time to record a start"
                     .into(),
             ));
         }
-        for (k, _) in &self.labels {
+        for (k, v) in &self.labels {
             validate_name("--labels key", k)?;
+            validate_name("--labels value", v)?;
         }
         Ok(())
     }
@@ -83,11 +92,12 @@ pub struct WorkerArgs {
     /// This worker's id (default: the host name). One live incarnation per id.
     #[arg(long, env = "BATON_WORKER_ID")]
     pub worker_id: Option<String>,
-    /// Serve `grpc.health.v1` here (for probes); none by default.
-    #[arg(long, env = "BATON_LISTEN")]
-    pub listen: Option<std::net::SocketAddr>,
-    /// Where this worker can be reached (shown in its record; default: the listen address, or
-    /// the worker id).
+    /// Serve `grpc.health.v1` (for probes) and `baton.v1.WorkerService` (replicas read job
+    /// output from it) here. Loopback by default; in a pod, `0.0.0.0:7071` with
+    /// `--advertise` set to the pod's address.
+    #[arg(long, env = "BATON_LISTEN", default_value = "127.0.0.1:7071")]
+    pub listen: std::net::SocketAddr,
+    /// Where replicas reach this worker (default: the listen address).
     #[arg(long, env = "BATON_ADVERTISE")]
     pub advertise: Option<String>,
     /// Worker lease TTL, whole seconds, at least 2s.
@@ -98,9 +108,35 @@ pub struct WorkerArgs {
     pub step_down_margin: Option<Duration>,
     #[command(flatten)]
     pub run: RunArgs,
+    #[command(subcommand)]
+    pub command: Option<WorkerCommand>,
+}
+
+/// `baton worker <command>`: operate the fleet through any replica.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum WorkerCommand {
+    /// List the live workers: address, load, draining, labels.
+    List(super::ClientArgs),
+    /// Drain a worker: no new jobs; running ones get its --drain-timeout, then move elsewhere.
+    Drain(WorkerIdArgs),
+    /// Take a drained worker back.
+    Undrain(WorkerIdArgs),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerIdArgs {
+    #[command(flatten)]
+    pub client: super::ClientArgs,
+    pub id: String,
 }
 
 impl WorkerArgs {
+    pub fn advertise(&self) -> String {
+        self.advertise
+            .clone()
+            .unwrap_or_else(|| self.listen.to_string())
+    }
+
     pub fn worker_id(&self) -> String {
         self.worker_id.clone().unwrap_or_else(host_name)
     }

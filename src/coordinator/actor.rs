@@ -15,7 +15,7 @@ use etcd_client::{EventType, WatchOptions};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
-use super::fleet::{Fleet, Pick, WorkerView};
+use super::fleet::{Fleet, Pick, Selector, WorkerView};
 use super::transition::{transition, Outcome};
 use super::{cleanup, recovery, Ctx, Writer};
 use crate::election::Term;
@@ -37,6 +37,8 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
         inflight: HashSet::new(),
         recheck: HashSet::new(),
         waiting: BTreeSet::new(),
+        selectors: HashMap::new(),
+        budget_blocked: false,
         timers: BTreeMap::new(),
         tasks: JoinSet::new(),
         task_jobs: HashMap::new(),
@@ -152,6 +154,11 @@ struct Actor {
     recheck: HashSet<String>,
     /// PENDING jobs waiting for a slot or the start budget, in submission (incarnation) order.
     waiting: BTreeSet<(i64, String)>,
+    /// The selectors of waiting jobs that have one: those wait only for matching workers, and
+    /// never hold up the jobs behind them.
+    selectors: HashMap<String, Selector>,
+    /// The last fill stopped at the start budget with a job that could take a slot.
+    budget_blocked: bool,
     timers: BTreeMap<u64, HashSet<String>>,
     tasks: JoinSet<(String, Option<Pick>, Outcome)>,
     /// Which job (and which reserved slot) each transition task is for.
@@ -218,7 +225,12 @@ impl Actor {
         }
         let mut pick = None;
         if !self.assigned.contains_key(&id) && (queued || self.waiting.is_empty()) {
-            let candidate = self.fleet.lock().expect("fleet lock").pick(&self.used);
+            let selector = self.selectors.get(&id).cloned().unwrap_or_default();
+            let candidate = self
+                .fleet
+                .lock()
+                .expect("fleet lock")
+                .pick(&self.used, &selector);
             if let Some(p) = candidate {
                 if self.ctx.starts().try_take(Instant::now()) {
                     *self.used.entry((p.id.clone(), p.rev)).or_default() += 1;
@@ -272,9 +284,17 @@ impl Actor {
         if let Some(prev) = previous {
             self.release(&prev);
         }
+        if !matches!(outcome, Outcome::NeedSlot(..)) {
+            self.selectors.remove(&id);
+        }
         match outcome {
             Outcome::Idle => {}
-            Outcome::NeedSlot(incarnation) => {
+            Outcome::NeedSlot(incarnation, selector) => {
+                if selector.is_empty() {
+                    self.selectors.remove(&id);
+                } else {
+                    self.selectors.insert(id.clone(), selector);
+                }
                 self.waiting.insert((incarnation, id.clone()));
             }
             Outcome::Later(at) => {
@@ -302,30 +322,52 @@ impl Actor {
 
     /// When the start budget next allows a waiting job to start, if one waits for it alone.
     fn budget_wakeup(&mut self) -> Option<Instant> {
-        (self.has_free_slot() && !self.waiting.is_empty())
+        self.budget_blocked
             .then(|| self.ctx.starts().next_at(Instant::now()))
     }
 
     fn has_free_slot(&self) -> bool {
+        self.free_slot_for(&Selector::new())
+    }
+
+    fn free_slot_for(&self, selector: &Selector) -> bool {
         self.fleet
             .lock()
             .expect("fleet lock")
-            .pick(&self.used)
+            .pick(&self.used, selector)
             .is_some()
     }
 
+    /// Starts waiting jobs in submission order while slots and the start budget allow,
+    /// passing over those whose selector no free worker matches.
     fn fill_slots(&mut self) {
-        while !self.waiting.is_empty()
-            && self.has_free_slot()
-            && self.ctx.starts().next_at(Instant::now()) <= Instant::now()
-        {
+        let mut passed: Vec<(i64, String)> = Vec::new();
+        let mut blocked: Vec<Selector> = Vec::new();
+        self.budget_blocked = false;
+        while self.has_free_slot() {
             let Some(first) = self.waiting.pop_first() else {
                 break;
             };
-            if !self.assigned.contains_key(&first.1) {
-                self.reconcile_with(first.1, true);
+            if self.assigned.contains_key(&first.1) {
+                continue;
             }
+            if let Some(sel) = self.selectors.get(&first.1) {
+                if blocked.contains(sel) || !self.free_slot_for(sel) {
+                    if !blocked.contains(sel) {
+                        blocked.push(sel.clone());
+                    }
+                    passed.push(first);
+                    continue;
+                }
+            }
+            if self.ctx.starts().next_at(Instant::now()) > Instant::now() {
+                self.budget_blocked = true;
+                passed.push(first);
+                break;
+            }
+            self.reconcile_with(first.1, true);
         }
+        self.waiting.extend(passed);
     }
 
     fn fire_timers(&mut self) {

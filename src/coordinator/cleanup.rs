@@ -462,12 +462,21 @@ async fn assign_step(
             },
         }
     } else {
+        // The command runs where the job could: on workers its selector matches.
+        let fits = |labels: &std::collections::BTreeMap<String, String>| {
+            snap.spec
+                .as_ref()
+                .is_none_or(|(r, _)| r.spec.selects(labels))
+        };
         let open: Vec<_> = workers
             .iter()
-            .filter(|w| !w.3.draining && w.3.cleanup_capacity > 0)
+            .filter(|w| !w.3.draining && w.3.cleanup_capacity > 0 && fits(&w.3.labels))
             .collect();
         if open.is_empty() {
-            return Step::Again("no live worker to run the cleanup command".into(), None);
+            return Step::Again(
+                "no live worker (matching the job's selector) to run the cleanup command".into(),
+                None,
+            );
         }
         // The worker that ran the job first (its folder is there); another on each retry.
         let own = open
@@ -501,6 +510,7 @@ async fn assign_step(
                 cleanup_command: Vec::new(),
                 max_attempts: 1,
                 timeout: ctx.config.cleanup.timeout,
+                worker_selector: Default::default(),
             },
         ),
         Some(s) => {
@@ -514,6 +524,7 @@ async fn assign_step(
                     cleanup_command: Vec::new(),
                     max_attempts: 1,
                     timeout: ctx.config.cleanup.timeout,
+                    worker_selector: s.worker_selector.clone(),
                 },
             )
         }

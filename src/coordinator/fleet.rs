@@ -35,7 +35,11 @@ pub(super) struct Pick {
     pub(super) mod_rev: i64,
     /// Its lease TTL plus margin.
     pub(super) ttl_ms: u64,
+    pub(super) labels: BTreeMap<String, String>,
 }
+
+/// The labels a job needs of its worker (usually none).
+pub(super) type Selector = BTreeMap<String, String>;
 
 pub(super) struct Fleet {
     pub(super) term_start: Instant,
@@ -153,9 +157,13 @@ impl Fleet {
         }
     }
 
-    /// The live, non-draining worker with the most free slots (ties by id), given the slots
-    /// taken per incarnation.
-    pub(super) fn pick(&self, used: &HashMap<(String, i64), usize>) -> Option<Pick> {
+    /// The live, non-draining worker that has every label of `selector` and the most free
+    /// slots (ties by id), given the slots taken per incarnation.
+    pub(super) fn pick(
+        &self,
+        used: &HashMap<(String, i64), usize>,
+        selector: &Selector,
+    ) -> Option<Pick> {
         let mut best: Option<(usize, &WorkerView)> = None;
         let now = Instant::now();
         for w in self.workers.values() {
@@ -164,7 +172,12 @@ impl Fleet {
                     .get(&(w.record.worker_id.clone(), w.rev))
                     .is_some_and(|until| *until > now)
             };
-            if w.record.draining || distrusted() {
+            let fits = || {
+                selector
+                    .iter()
+                    .all(|(k, v)| w.record.labels.get(k) == Some(v))
+            };
+            if w.record.draining || distrusted() || !fits() {
                 continue;
             }
             let taken = used
@@ -181,6 +194,7 @@ impl Fleet {
             rev: w.rev,
             mod_rev: w.mod_rev,
             ttl_ms: w.record.lease_ttl_ms + w.record.margin_ms,
+            labels: w.record.labels.clone(),
         })
     }
 }

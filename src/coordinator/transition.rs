@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use etcd_client::{Compare, CompareOp, DeleteOptions, TxnOp};
 
-use super::fleet::{Fleet, Liveness, Pick};
+use super::fleet::{Fleet, Liveness, Pick, Selector};
 use super::{CoordinatorConfig, Ctx, Writer};
 use crate::election::{Commit, FenceError};
 use crate::jobs::records::{self, JobResult, RegistryEntry, RegistryStatus, TerminalStatus};
@@ -31,8 +31,9 @@ use crate::store::codec;
 pub(super) enum Outcome {
     /// Nothing runs for this job here (gone, terminal, or written back to PENDING).
     Idle,
-    /// PENDING and due, but no worker slot was reserved for it.
-    NeedSlot(i64),
+    /// PENDING and due, but no worker slot (on a worker its selector matches) was reserved
+    /// for it: it waits in submission (incarnation) order.
+    NeedSlot(i64, Selector),
     /// PENDING until this Unix ms.
     Later(u64),
     /// RUNNING on this worker incarnation; look again at `recheck` if set. `fresh`: this
@@ -120,8 +121,8 @@ pub(super) async fn transition(
             Outcome::Later(entry.not_before_ms)
         }
         RegistryStatus::Pending => match pick {
-            None => Outcome::NeedSlot(incarnation),
-            Some(p) => job.assign(fleet, p).await,
+            Some(p) if record.spec.selects(&p.labels) => job.assign(fleet, p).await,
+            _ => Outcome::NeedSlot(incarnation, record.spec.worker_selector.clone()),
         },
         RegistryStatus::Running => {
             let Some(worker) = entry.worker.clone() else {
@@ -436,7 +437,10 @@ impl JobCtx<'_> {
                         .await;
                 }
             }
-            Requeue::Preempted => back.recovered_next = true,
+            Requeue::Preempted => {
+                back.preemptions += 1;
+                back.recovered_next = true;
+            }
             Requeue::Unstarted => back.attempt = back.attempt.saturating_sub(1),
         }
         let k = self.ctx.keys.job(self.id());
@@ -553,6 +557,7 @@ impl JobCtx<'_> {
             attempts: e.attempt,
             failed_attempts: e.failed_attempts,
             recoveries: e.recoveries,
+            preemptions: e.preemptions,
             submitted_at_ms: self.record.submitted_at_ms,
             started_at_ms: e.first_started_ms,
             finished_at_ms: records::now_ms(),

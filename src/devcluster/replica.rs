@@ -25,7 +25,8 @@ pub struct ReplicaSpec {
     pub dir: PathBuf,
     /// Anything else for `baton serve` (or `baton worker`).
     pub extra_args: Vec<String>,
-    /// A `baton worker` (id as its worker id; no listener, no role log) instead of a replica.
+    /// A `baton worker` (id as its worker id; `listen` for its WorkerService; no role log)
+    /// instead of a replica.
     pub worker: bool,
 }
 
@@ -46,6 +47,9 @@ impl ReplicaProcess {
         cmd.arg("--log-format").arg("json");
         if spec.worker {
             cmd.arg("worker").args(["--worker-id", &spec.id]);
+            if !spec.extra_args.iter().any(|a| a == "--listen") {
+                cmd.args(["--listen", &spec.listen.to_string()]);
+            }
         } else {
             cmd.arg("serve")
                 .args(["--replica-id", &spec.id])

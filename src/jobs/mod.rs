@@ -5,6 +5,7 @@
 //! no spec, registry, dirty or clean entry exists for the id. A retry with an identical spec
 //! (same hash) is answered with the existing job in whatever state; a different spec is refused.
 
+pub mod fleet;
 pub mod records;
 pub mod spec;
 pub mod work;
@@ -24,6 +25,8 @@ pub enum Error {
     Invalid(#[from] Invalid),
     #[error("no job {0}")]
     NotFound(String),
+    #[error("no live worker {0}")]
+    NoWorker(String),
     #[error("job {id} already exists with a different spec and is {}", if *.terminated { "globally terminated" } else { "still running" })]
     AlreadyExists { id: String, terminated: bool },
     #[error("job {0} has already reached a terminal state")]

@@ -33,6 +33,10 @@ pub struct RegistryEntry {
     pub failed_attempts: u32,
     /// Launches that restarted a job another leader was running.
     pub recoveries: u32,
+    /// Attempts stopped by their worker's drain or shutdown: rescheduled at once, counted
+    /// against nothing.
+    #[serde(default)]
+    pub preemptions: u32,
     /// The term that wrote this entry.
     pub term: i64,
     /// Unix ms before which a PENDING job must not start (retry backoff).
@@ -65,6 +69,7 @@ impl RegistryEntry {
             attempt: 0,
             failed_attempts: 0,
             recoveries: 0,
+            preemptions: 0,
             term: 0,
             not_before_ms: 0,
             first_started_ms: 0,
@@ -139,6 +144,8 @@ pub struct JobResult {
     pub attempts: u32,
     pub failed_attempts: u32,
     pub recoveries: u32,
+    #[serde(default)]
+    pub preemptions: u32,
     pub submitted_at_ms: u64,
     #[serde(default)]
     pub started_at_ms: u64,

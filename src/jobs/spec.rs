@@ -15,6 +15,8 @@ pub mod limits {
     pub const SPEC_BYTES_MAX: usize = 64 * 1024;
     pub const MAX_ATTEMPTS_MAX: u32 = 100;
     pub const TIMEOUT_MAX_SECS: u64 = 7 * 24 * 3600;
+    pub const SELECTOR_ENTRIES_MAX: usize = 32;
+    pub const LABEL_BYTES_MAX: usize = 128;
 }
 
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
@@ -32,6 +34,10 @@ pub struct JobSpec {
     pub max_attempts: u32,
     #[serde(with = "humantime_serde_secs")]
     pub timeout: Duration,
+    /// Exact labels a worker must all have to run the job. Left out of the stored JSON when
+    /// empty, so specs (and hashes) from before selectors are unchanged.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub worker_selector: BTreeMap<String, String>,
 }
 
 /// A bad submission: which field, and why.
@@ -47,6 +53,23 @@ fn invalid(field: &'static str, reason: impl Into<String>) -> Invalid {
         field,
         reason: reason.into(),
     }
+}
+
+/// Worker labels and selector entries: 1 to 128 characters of `[A-Za-z0-9._-]`.
+pub fn is_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= limits::LABEL_BYTES_MAX
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+}
+
+/// `k=v,k2=v2`, for messages.
+pub fn show_labels(labels: &BTreeMap<String, String>) -> String {
+    labels
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Job ids go into etcd keys and folder names: `[A-Za-z0-9._-]`, 1 to 128 characters, and not
@@ -170,13 +193,53 @@ impl JobSpec {
             }
             Some(t) => t,
         };
-        let spec = JobSpec {
+        JobSpec {
             command,
             env,
             cleanup_command,
             max_attempts,
             timeout,
-        };
+            worker_selector: BTreeMap::new(),
+        }
+        .checked_size()
+    }
+
+    /// The same spec, run only on workers that have every one of these labels.
+    pub fn with_selector(mut self, selector: BTreeMap<String, String>) -> Result<JobSpec, Invalid> {
+        if selector.len() > limits::SELECTOR_ENTRIES_MAX {
+            return Err(invalid(
+                "spec.worker_selector",
+                format!(
+                    "has {} entries; at most {}",
+                    selector.len(),
+                    limits::SELECTOR_ENTRIES_MAX
+                ),
+            ));
+        }
+        for (k, v) in &selector {
+            if !is_label(k) || !is_label(v) {
+                return Err(invalid(
+                    "spec.worker_selector",
+                    format!(
+                        "{k}={v}: keys and values must be 1 to {} characters of [A-Za-z0-9._-]",
+                        limits::LABEL_BYTES_MAX
+                    ),
+                ));
+            }
+        }
+        self.worker_selector = selector;
+        self.checked_size()
+    }
+
+    /// Whether a worker with these labels may run the job.
+    pub fn selects(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.worker_selector
+            .iter()
+            .all(|(k, v)| labels.get(k) == Some(v))
+    }
+
+    fn checked_size(self) -> Result<JobSpec, Invalid> {
+        let spec = self;
         let bytes = serde_json::to_vec(&spec).expect("a spec serializes").len();
         if bytes > limits::SPEC_BYTES_MAX {
             return Err(invalid(
@@ -289,6 +352,27 @@ mod tests {
                 .unwrap_err()
                 .field,
             "spec"
+        );
+        let sel = |k: &str, v: &str| BTreeMap::from([(k.to_string(), v.to_string())]);
+        let plain = JobSpec::resolve(cmd(&["x"]), BTreeMap::new(), vec![], 0, None).unwrap();
+        let gpu = plain.clone().with_selector(sel("gpu", "true")).unwrap();
+        assert_ne!(plain.hash(), gpu.hash());
+        assert!(gpu.selects(&sel("gpu", "true")));
+        assert!(!gpu.selects(&sel("gpu", "false")));
+        assert!(plain.selects(&BTreeMap::new()));
+        assert_eq!(
+            plain
+                .clone()
+                .with_selector(sel("a b", "c"))
+                .unwrap_err()
+                .field,
+            "spec.worker_selector"
+        );
+        assert!(
+            !serde_json::to_string(&plain)
+                .unwrap()
+                .contains("worker_selector"),
+            "an empty selector is not stored, so older hashes stay"
         );
         assert!(validate_id("job-1.a_b").is_ok());
         assert!(validate_id("a/b").is_err());

@@ -5,6 +5,8 @@
 //! - `assignments/<worker>/<incarnation>/<job>` ([`Assignment`]): written by the leader in the
 //!   transaction that sets the registry entry RUNNING; its revision is the attempt's fencing
 //!   token (`BATON_TERM`). Never rewritten; deleted by whatever transaction ends it.
+//! - `drains/<id>` ([`DrainRequest`]): an operator asked worker `<id>` to drain; written by
+//!   any replica, read by the worker, which then marks its own record `draining`.
 //! - `attempts/<job>/<token>` ([`AttemptRecord`]): written by the worker: `started` before the
 //!   job execs, then `exited`, `lost` or `preempted` once its process group is gone, or
 //!   `rejected` instead of starting.
@@ -22,6 +24,16 @@ pub const ASSIGNMENT_VERSION: u32 = 1;
 pub const CLEANUP_ASSIGNMENT_VERSION: u32 = 2;
 pub const ASSIGNMENT_VERSIONS_READ: &[u32] = &[1, 2];
 pub const ATTEMPT_VERSION: u32 = 1;
+pub const DRAIN_VERSION: u32 = 1;
+
+/// `drains/<id>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainRequest {
+    pub version: u32,
+    pub requested_at_ms: u64,
+    /// The replica that took the request.
+    pub via: String,
+}
 
 /// `workers/<id>`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,6 +58,9 @@ pub struct WorkerRecord {
     pub margin_ms: u64,
     /// The leader takes an assignment back when no `started` came within this.
     pub assign_timeout_ms: u64,
+    /// Unix ms of registration.
+    #[serde(default)]
+    pub started_at_ms: u64,
 }
 
 /// What an assignment asks for.

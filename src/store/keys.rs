@@ -63,6 +63,17 @@ impl Keys {
         format!("{}{id}", self.workers())
     }
 
+    /// `drains/`: operators' drain requests, one per worker id; kept across its incarnations
+    /// until undrained.
+    pub fn drains(&self) -> String {
+        format!("{}drains/", self.prefix)
+    }
+
+    /// `drains/<id>`
+    pub fn drain(&self, id: &str) -> String {
+        format!("{}{id}", self.drains())
+    }
+
     /// `assignments/`: what the leader gave each worker incarnation to run.
     pub fn assignments(&self) -> String {
         format!("{}assignments/", self.prefix)

@@ -345,7 +345,7 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
             };
             end.signal = other.as_ref().and_then(|r| r.signal);
             end.reason = Some(match other {
-                Some(_) if why == Control::Preempt => "the worker shut down".into(),
+                Some(_) if why == Control::Preempt => "the worker drained or shut down".into(),
                 Some(_) => "the worker could not prove its lease".into(),
                 None => "the guard started nothing".into(),
             });

@@ -2,8 +2,10 @@
 //! cancel requests of its jobs and its own key, and starts or stops attempts accordingly.
 //!
 //! It never starts an assignment twice: tokens it has seen are remembered until the
-//! assignment's key is deleted. When the incarnation ends (stop, lease lost, key gone), every
-//! attempt is told at once; on a stop, the loop waits (bounded) for their `preempted` records.
+//! assignment's key is deleted. A stop (SIGTERM) or an operator's drain request first marks
+//! the record `draining` and lets running attempts go on for `--drain-timeout`, then preempts
+//! the rest; a stop ends the incarnation once every attempt has reported. When the lease is
+//! lost or the key gone, every attempt is told at once.
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicUsize;
@@ -25,6 +27,35 @@ use crate::store::{codec, Keys, Store};
 pub(super) enum End {
     Stopped,
     Lost(&'static str),
+}
+
+/// A drain in progress: no new jobs (the record says `draining`); running ones go on until
+/// `until`, then are preempted. `exit`: the worker stops once its attempts are done (SIGTERM);
+/// otherwise (an operator's drain) it stays registered, drained, until undrained.
+struct Drain {
+    until: tokio::time::Instant,
+    exit: bool,
+    preempted: bool,
+}
+
+impl Drain {
+    fn begin(drain: &mut Option<Drain>, config: &WorkerConfig, exit: bool) {
+        match drain {
+            Some(d) => d.exit |= exit,
+            None => {
+                tracing::info!(exit, timeout = ?config.drain_timeout, "draining: no new jobs; running ones may finish");
+                *drain = Some(Drain {
+                    until: tokio::time::Instant::now() + config.drain_timeout,
+                    exit,
+                    preempted: false,
+                });
+            }
+        }
+    }
+}
+
+fn exiting(drain: &Option<Drain>) -> bool {
+    drain.as_ref().is_some_and(|d| d.exit)
 }
 
 struct Slot {
@@ -86,6 +117,20 @@ impl Loop {
             s.ctl.send_replace(why);
         }
     }
+
+    /// A drain's time is up: every attempt still running is stopped and recorded `preempted`
+    /// (a cancel in progress goes on as a cancel).
+    fn preempt_running(&self) {
+        for s in self.slots.values() {
+            s.ctl.send_if_modified(|c| {
+                let run = *c == Control::Run;
+                if run {
+                    *c = Control::Preempt;
+                }
+                run
+            });
+        }
+    }
 }
 
 /// Serves incarnation `rev` until it ends.
@@ -113,14 +158,24 @@ pub(super) async fn serve(
     };
     let prefix = keys.assignments_of(&config.worker_id, rev);
     let me = keys.worker(&config.worker_id);
+    let drain_key = keys.drain(&config.worker_id);
     let mut pet = tokio::time::interval(config.lease_ttl / 6);
+    let mut drain: Option<Drain> = None;
+    // What this incarnation's record says about draining, as far as it knows.
+    let mut marked = false;
+    let mut marking: Option<tokio::task::JoinHandle<(bool, bool)>> = None;
+    let tracker = lp.tasks.clone();
     let end = 'resync: loop {
         watchdog.pet();
-        if stop.is_cancelled() {
-            break End::Stopped;
-        }
         if lease.lost().is_cancelled() {
             break End::Lost("the lease could not be proven");
+        }
+        if stop.is_cancelled() && !exiting(&drain) {
+            Drain::begin(&mut drain, config, true);
+            lp.tasks.close();
+        }
+        if exiting(&drain) && lp.tasks.is_empty() {
+            break End::Stopped;
         }
         // The watchdog guards against a hung runtime, not a slow etcd: fed while waiting.
         let feeding = async {
@@ -130,12 +185,12 @@ pub(super) async fn serve(
             }
         };
         let read = tokio::select! {
-            r = read_state(store, keys, &prefix, &me, &lp) => r,
+            r = read_state(store, keys, &prefix, &me, &drain_key, &lp) => r,
             _ = feeding => unreachable!("feeds forever"),
-            _ = stop.cancelled() => break End::Stopped,
+            _ = stop.cancelled(), if !exiting(&drain) => continue 'resync,
             _ = lease.lost().cancelled() => break End::Lost("the lease could not be proven"),
         };
-        let (at, assignments, cancelled, mine) = match read {
+        let state = match read {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read this worker's assignments; retrying");
@@ -143,10 +198,12 @@ pub(super) async fn serve(
                 continue;
             }
         };
-        if mine != Some(rev) {
+        if state.mine != Some(rev) {
             break End::Lost("this incarnation's key is gone");
         }
-        let present: HashMap<String, i64> = assignments
+        let at = state.at;
+        let present: HashMap<String, i64> = state
+            .assignments
             .iter()
             .filter_map(|kv| {
                 Some((
@@ -164,14 +221,15 @@ pub(super) async fn serve(
         for job in gone {
             lp.unassigned(&job, None);
         }
-        for kv in &assignments {
+        for kv in &state.assignments {
             if let Some(slot) = Keys::id_in(&prefix, kv.key()) {
                 lp.assigned(slot, kv);
             }
         }
-        for job in cancelled {
+        for job in state.cancelled {
             lp.cancel(&job);
         }
+        requested(&mut drain, config, state.drain_requested);
         let opts = || WatchOptions::new().with_start_revision(at + 1);
         let mut client = store.client();
         let watched = tokio::time::timeout(
@@ -192,15 +250,58 @@ pub(super) async fn serve(
             .await
             .is_err()
             || stream.watch(me.clone(), Some(opts())).await.is_err()
+            || stream.watch(drain_key.clone(), Some(opts())).await.is_err()
         {
             continue;
         }
         loop {
+            // The record follows the drain state, written off the loop so a slow etcd never
+            // starves the watchdog.
+            let want = drain.is_some();
+            if want != marked && marking.is_none() {
+                let (store, keys, config) = (store.clone(), keys.clone(), config.clone());
+                marking = Some(tokio::spawn(async move {
+                    let done =
+                        super::registration::set_draining(&store, &keys, &config, rev, want).await;
+                    (want, done)
+                }));
+            }
+            let deadline = drain.as_ref().filter(|d| !d.preempted).map(|d| d.until);
             tokio::select! {
                 biased;
-                _ = stop.cancelled() => break 'resync End::Stopped,
+                _ = stop.cancelled(), if !exiting(&drain) => {
+                    Drain::begin(&mut drain, config, true);
+                    lp.tasks.close();
+                }
                 _ = lease.lost().cancelled() => break 'resync End::Lost("the lease could not be proven"),
-                _ = pet.tick() => watchdog.pet(),
+                _ = tracker.wait(), if exiting(&drain) && marking.is_none() => break 'resync End::Stopped,
+                done = async { marking.as_mut().expect("guarded").await }, if marking.is_some() => {
+                    marking = None;
+                    match done {
+                        Ok((want, true)) => marked = want,
+                        _ => tokio::time::sleep(Duration::from_millis(200)).await,
+                    }
+                }
+                _ = sleep_until_opt(deadline), if deadline.is_some() => {
+                    if let Some(d) = drain.as_mut() {
+                        d.preempted = true;
+                        tracing::info!(running = lp.slots.len(), "drain timeout: preempting what still runs");
+                    }
+                    lp.preempt_running();
+                }
+                _ = pet.tick() => {
+                    watchdog.pet();
+                    if let Some(d) = &drain {
+                        if d.preempted {
+                            // An assignment that raced the draining mark goes too.
+                            lp.preempt_running();
+                            let bound = d.until + config.guard.kill_grace + Duration::from_secs(15);
+                            if d.exit && tokio::time::Instant::now() > bound {
+                                break 'resync End::Stopped;
+                            }
+                        }
+                    }
+                }
                 msg = stream.message() => match msg {
                     Ok(Some(resp)) if !resp.canceled() && resp.compact_revision() == 0 => {
                         for ev in resp.events() {
@@ -209,6 +310,8 @@ pub(super) async fn serve(
                                 if ev.event_type() == EventType::Delete || kv.create_revision() != rev {
                                     break 'resync End::Lost("this incarnation's key is gone");
                                 }
+                            } else if kv.key() == drain_key.as_bytes() {
+                                requested(&mut drain, config, ev.event_type() == EventType::Put);
                             } else if let Some(job) = Keys::id_in(&prefix, kv.key()) {
                                 match ev.event_type() {
                                     EventType::Put => lp.assigned(job, kv),
@@ -234,7 +337,9 @@ pub(super) async fn serve(
     };
     match end {
         End::Stopped => {
-            super::registration::mark_draining(store, keys, config, rev).await;
+            if !marked {
+                super::registration::set_draining(store, keys, config, rev, true).await;
+            }
             lp.end_all(Control::Preempt);
             lp.tasks.close();
             let bound = config.guard.kill_grace + Duration::from_secs(15);
@@ -252,7 +357,34 @@ pub(super) async fn serve(
     end
 }
 
-type State = (i64, Vec<etcd_client::KeyValue>, Vec<String>, Option<i64>);
+/// An operator's drain request appeared (`true`) or went: a drain begins, or one that was not
+/// a shutdown ends (jobs it already preempted stay moved).
+fn requested(drain: &mut Option<Drain>, config: &WorkerConfig, wanted: bool) {
+    match (wanted, drain.as_ref()) {
+        (true, None) => Drain::begin(drain, config, false),
+        (false, Some(d)) if !d.exit => {
+            tracing::info!("undrained: taking jobs again");
+            *drain = None;
+        }
+        _ => {}
+    }
+}
+
+async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+struct State {
+    at: i64,
+    assignments: Vec<etcd_client::KeyValue>,
+    cancelled: Vec<String>,
+    /// The create revision of this worker's key.
+    mine: Option<i64>,
+    drain_requested: bool,
+}
 
 /// This incarnation's assignments, its key, and which of its jobs have a cancel request, at one
 /// revision.
@@ -261,6 +393,7 @@ async fn read_state(
     keys: &Keys,
     prefix: &str,
     me: &str,
+    drain_key: &str,
     lp: &Loop,
 ) -> Result<State, crate::store::Error> {
     let mut c = store.client();
@@ -277,6 +410,12 @@ async fn read_state(
         .timed("read worker key", c.get(me, Some(pinned())))
         .await?;
     let mine = own.kvs().first().map(|kv| kv.create_revision());
+    let drain = store
+        .timed(
+            "read drain request",
+            c.get(drain_key, Some(pinned().with_count_only())),
+        )
+        .await?;
     let jobs: std::collections::HashSet<String> = assignments
         .iter()
         .filter_map(|kv| Keys::id_in(prefix, kv.key()).map(str::to_owned))
@@ -299,5 +438,11 @@ async fn read_state(
             .map(str::to_owned)
             .collect();
     }
-    Ok((at, assignments, cancelled, mine))
+    Ok(State {
+        at,
+        assignments,
+        cancelled,
+        mine,
+        drain_requested: drain.count() > 0,
+    })
 }

@@ -20,7 +20,10 @@
 
 mod attempt;
 mod incarnation;
+mod logs;
 mod registration;
+
+pub use logs::{WorkerLogs, READ_MAX};
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -47,6 +50,8 @@ pub struct WorkerConfig {
     pub guard: GuardSettings,
     pub lease_ttl: Duration,
     pub assign_timeout: Duration,
+    /// How long a drain lets running jobs go on before it preempts them.
+    pub drain_timeout: Duration,
 }
 
 /// Runs the worker until `stop`; then preempts its jobs and revokes its lease.

@@ -34,6 +34,7 @@ pub(super) async fn register(
         lease_ttl_ms: config.lease_ttl.as_millis() as u64,
         margin_ms: config.guard.margin.as_millis() as u64,
         assign_timeout_ms: config.assign_timeout.as_millis() as u64,
+        started_at_ms: crate::jobs::records::now_ms(),
     };
     let mut told = false;
     loop {
@@ -68,28 +69,48 @@ pub(super) async fn register(
     }
 }
 
-/// Marks incarnation `rev` draining (best effort, bounded), so the leader assigns it nothing
-/// more while it stops: the assign transaction compares the key's mod revision.
-pub(super) async fn mark_draining(store: &Store, keys: &Keys, config: &WorkerConfig, rev: i64) {
+/// Sets incarnation `rev`'s `draining` flag (bounded; false if it could not tell that it
+/// landed). While set, the leader assigns it nothing: the assign transaction compares the key's
+/// mod revision, so an assignment racing the change fails.
+pub(super) async fn set_draining(
+    store: &Store,
+    keys: &Keys,
+    config: &WorkerConfig,
+    rev: i64,
+    on: bool,
+) -> bool {
     let key = keys.worker(&config.worker_id);
     let mut c = store.client();
     let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(2), c.get(key.clone(), None)).await
     else {
-        return;
+        return false;
     };
-    let Some(kv) = resp.kvs().first() else { return };
+    let Some(kv) = resp.kvs().first() else {
+        return false;
+    };
     let Ok(mut record) = codec::decode::<WorkerRecord>(kv.key(), kv.value(), WORKER_VERSION) else {
-        return;
+        return false;
     };
-    record.draining = true;
+    if record.draining == on {
+        return kv.create_revision() == rev;
+    }
+    record.draining = on;
     let txn = Txn::new()
-        .when([Compare::create_revision(key.clone(), CompareOp::Equal, rev)])
+        .when([Compare::mod_revision(
+            key.clone(),
+            CompareOp::Equal,
+            kv.mod_revision(),
+        )])
         .and_then([TxnOp::put(
-            key,
+            key.clone(),
             codec::encode(&record),
             Some(PutOptions::new().with_ignore_lease()),
         )]);
-    let _ = tokio::time::timeout(Duration::from_secs(2), c.txn(txn)).await;
+    kv.create_revision() == rev
+        && matches!(
+            tokio::time::timeout(Duration::from_secs(2), c.txn(txn)).await,
+            Ok(Ok(r)) if r.succeeded()
+        )
 }
 
 /// Revokes a lost incarnation's lease once etcd answers (its key, if still there, goes with

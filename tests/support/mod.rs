@@ -205,6 +205,7 @@ impl Cluster {
         args.extend(extra.iter().map(|s| s.to_string()));
         let spec = ReplicaSpec {
             id: format!("w{n}"),
+            listen: ([127, 0, 0, 1], free_port()).into(),
             etcd_endpoints: self.etcd.endpoints(),
             extra_args: args,
             worker: true,
@@ -552,4 +553,60 @@ pub fn read_pids(path: &std::path::Path) -> Vec<i32> {
         .split_whitespace()
         .filter_map(|p| p.parse().ok())
         .collect()
+}
+
+/// Runs the `baton` CLI; panics if it has not exited within `within`. Returns its exit code,
+/// stdout and stderr.
+pub fn run_cli(args: &[&str], within: Duration) -> (Option<i32>, String, String) {
+    use std::io::Read;
+    let mut child = std::process::Command::new(BIN)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let deadline = std::time::Instant::now() + within;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("baton {args:?} did not exit within {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (status.code(), out.join().unwrap(), err.join().unwrap())
+}
+
+/// Coordinators only (their cleanup held, so job folders stay), and `workers` separate
+/// workers with `worker_args`.
+pub fn worker_opts(workers: usize, worker_args: &[&str]) -> Options {
+    Options {
+        embedded: false,
+        workers,
+        worker_args: worker_args.iter().map(|s| s.to_string()).collect(),
+        extra_args: vec!["--cleanup-pause-after-stage".into(), "0".into()],
+        ..Options::default()
+    }
+}
+
+/// A folder for what test jobs write.
+pub fn scratch(c: &Cluster) -> PathBuf {
+    let d = c.dir.path().join("out");
+    std::fs::create_dir_all(&d).unwrap();
+    d
 }
