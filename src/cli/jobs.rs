@@ -425,8 +425,11 @@ async fn follow(args: &LogsArgs) -> anyhow::Result<()> {
         .await
         .map_err(|s| anyhow!("{} ({:?})", s.message(), s.code()))?
     {
-        out.write_all(&chunk.content)?;
-        out.flush()?;
+        match out.write_all(&chunk.content).and_then(|()| out.flush()) {
+            // `| head` has what it wanted.
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+            other => other?,
+        }
     }
     Ok(())
 }

@@ -216,9 +216,17 @@ pub struct DevArgs {
     /// Election lease TTL of the replicas.
     #[arg(long, env = "BATON_LEASE_TTL", value_parser = humantime::parse_duration, default_value = "5s")]
     pub lease_ttl: Duration,
-    /// First replica's gRPC port (then +1, +2, ...); 0 picks free ports.
+    /// First replica's gRPC port (then +1, +2, ...); 0 picks free ports. Separate workers
+    /// listen from base port + 100 on.
     #[arg(long, env = "BATON_DEV_BASE_PORT", default_value_t = 7600)]
     pub base_port: u16,
+    /// Separate `baton worker` processes (labelled `pool=workers`), besides the worker
+    /// embedded in each replica.
+    #[arg(long, env = "BATON_DEV_WORKERS", default_value_t = 2)]
+    pub workers: usize,
+    /// Submit no demo job at start.
+    #[arg(long)]
+    pub no_demo: bool,
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! `baton dev`: a private etcd and N replicas in one command, stopped cleanly on Ctrl-C.
+//! `baton dev`: a private etcd, N replicas (each with an embedded worker) and M separate
+//! workers in one command, with a demo job on a separate worker; stopped cleanly on Ctrl-C.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -30,47 +31,90 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         etcd.dir().display()
     );
 
-    let mut replicas = Vec::new();
-    for i in 0..args.replicas.max(1) {
+    let storage = dir.join("storage");
+    let port_for = |n: u16| -> anyhow::Result<SocketAddr> {
         let port = if args.base_port == 0 {
             free_port()
         } else {
-            args.base_port + i as u16
+            args.base_port + n
         };
         let listen: SocketAddr = ([127, 0, 0, 1], port).into();
         std::net::TcpListener::bind(listen).with_context(|| {
             format!("port {port} is taken; pass --base-port 0 to pick free ports")
         })?;
-        let spec = ReplicaSpec {
-            id: format!("replica-{}", i + 1),
+        Ok(listen)
+    };
+    let spec = |id: String, listen: SocketAddr, worker: bool| {
+        // A short drain, so Ctrl-C stops everything in seconds.
+        let mut extra = vec![
+            "--storage-dir".into(),
+            storage.join(&id).display().to_string(),
+            "--drain-timeout".into(),
+            "5s".into(),
+        ];
+        if worker {
+            extra.extend(["--labels".into(), "pool=workers".into()]);
+        }
+        ReplicaSpec {
+            id,
             bin: bin.clone(),
             etcd_endpoints: etcd.endpoints(),
             cluster: "dev".into(),
             listen,
             lease_ttl: args.lease_ttl,
             dir: dir.join("replicas"),
-            extra_args: vec![
-                "--storage-dir".into(),
-                dir.join("storage").display().to_string(),
-            ],
-            worker: false,
-        };
-        let r = ReplicaProcess::spawn(spec).context("starting a replica")?;
+            extra_args: extra,
+            worker,
+        }
+    };
+    let mut replicas = Vec::new();
+    for i in 0..args.replicas.max(1) {
+        let listen = port_for(i as u16)?;
+        let r = ReplicaProcess::spawn(spec(format!("replica-{}", i + 1), listen, false))
+            .context("starting a replica")?;
         println!("{}: {} (log {})", r.id(), listen, r.log_path().display());
         replicas.push(r);
     }
-    let endpoints: Vec<String> = replicas.iter().map(|r| r.listen().to_string()).collect();
-    println!(
-        "\ntry:  baton leader get --endpoints {}",
-        endpoints.join(",")
-    );
-    println!("stop: Ctrl-C\n");
-
+    for i in 0..args.workers {
+        let listen = port_for(100 + i as u16)?;
+        let w = ReplicaProcess::spawn(spec(format!("worker-{}", i + 1), listen, true))
+            .context("starting a worker")?;
+        println!(
+            "{}: {} (separate worker, pool=workers; log {})",
+            w.id(),
+            listen,
+            w.log_path().display()
+        );
+        replicas.push(w);
+    }
+    let endpoints: Vec<String> = replicas
+        .iter()
+        .filter(|r| !r.spec().worker)
+        .map(|r| r.listen().to_string())
+        .collect();
     let client = ClientArgs {
-        endpoints,
-        timeout: Duration::from_secs(2),
+        endpoints: endpoints.clone(),
+        timeout: Duration::from_secs(10),
         output: Output::Text,
     };
+    let poll = ClientArgs {
+        timeout: Duration::from_secs(2),
+        ..client.clone()
+    };
+    let eps = endpoints.join(",");
+    println!("\ntry:  baton leader get --endpoints {eps}");
+    println!("      baton worker list --endpoints {eps}");
+    if args.workers > 0 && !args.no_demo {
+        match demo(&client).await {
+            Ok(on) => {
+                println!("      baton job logs -f demo --endpoints {eps}    (running on {on})");
+                println!("      baton job get demo --endpoints {eps}");
+            }
+            Err(e) => println!("(the demo job could not be submitted: {e:#})"),
+        }
+    }
+    println!("stop: Ctrl-C\n");
+
     let mut shown: Option<(String, i64)> = None;
     let mut ticker = tokio::time::interval(Duration::from_millis(250));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -85,7 +129,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
                         r.restart()?;
                     }
                 }
-                if let Ok(l) = leader(&client).await {
+                if let Ok(l) = leader(&poll).await {
                     if shown.as_ref() != Some(&(l.0.clone(), l.1)) {
                         println!("leader: {} (term {})", l.0, l.1);
                         shown = Some(l);
@@ -104,6 +148,55 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     etcd.stop();
     println!("stopped");
     Ok(())
+}
+
+/// A job that runs on a separate worker (its selector) for a minute, printing as it goes;
+/// returns the worker it runs on.
+async fn demo(c: &ClientArgs) -> anyhow::Result<String> {
+    use crate::proto::job_service_client::JobServiceClient;
+    use crate::proto::{GetJobRequest, JobSpec, SubmitJobRequest};
+    let spec = JobSpec {
+        command: vec![
+            "sh".into(),
+            "-c".into(),
+            "i=1; while [ $i -le 60 ]; do echo \"demo on $BATON_WORKER: $i\"; i=$((i+1)); sleep 1; done"
+                .into(),
+        ],
+        worker_selector: [("pool".to_string(), "workers".to_string())].into(),
+        ..Default::default()
+    };
+    crate::cli::call_any(c, |ch| {
+        let req = SubmitJobRequest {
+            job_id: "demo".into(),
+            spec: Some(spec.clone()),
+        };
+        async move {
+            Ok(JobServiceClient::new(ch)
+                .submit_job(req)
+                .await?
+                .into_inner())
+        }
+    })
+    .await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let job = crate::cli::call_any(c, |ch| async move {
+            Ok(JobServiceClient::new(ch)
+                .get_job(GetJobRequest {
+                    job_id: "demo".into(),
+                })
+                .await?
+                .into_inner())
+        })
+        .await?;
+        if !job.worker.is_empty() {
+            return Ok(job.worker);
+        }
+        if tokio::time::Instant::now() > deadline {
+            anyhow::bail!("it did not start within 30s: {}", job.waiting_reason);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 async fn leader(c: &ClientArgs) -> anyhow::Result<(String, i64)> {
