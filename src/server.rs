@@ -129,7 +129,9 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         jobs: JobApi::new(store.clone(), keys.clone(), replica_id.clone()),
         fleet: FleetApi::new(store.clone(), keys.clone(), replica_id.clone()),
         cluster: ClusterApi::new(store, keys, replica_id.clone(), role_rx, cmd_tx),
-        worker: args.worker.then(|| WorkerLogs::new(storage_dir)),
+        worker: args
+            .worker
+            .then(|| WorkerLogs::new(replica_id.clone(), storage_dir)),
     };
     let server = tokio::spawn(api::serve(
         listener,
@@ -258,7 +260,7 @@ pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone())?;
     let api_stop = CancellationToken::new();
-    let logs = WorkerLogs::new(storage_dir);
+    let logs = WorkerLogs::new(worker_id.clone(), storage_dir);
     let health = tokio::spawn(api::serve_worker(
         listener,
         logs,

@@ -104,6 +104,7 @@ async fn connect(
 
 async fn read_at(
     client: &mut WorkerServiceClient<tonic::transport::Channel>,
+    worker: &str,
     job: &str,
     attempt: u32,
     offset: i64,
@@ -115,6 +116,7 @@ async fn read_at(
             attempt,
             offset,
             max_bytes: max,
+            worker_id: worker.to_string(),
         })
         .await
         .map_err(|s| s.message().to_string())?
@@ -147,7 +149,7 @@ pub async fn tail(
     let mut unreachable = None;
     if let Some(w) = &at.worker {
         match connect(store, keys, w).await {
-            Ok(mut c) => match read_at(&mut c, job, at.attempt, -1, tail).await {
+            Ok(mut c) => match read_at(&mut c, w, job, at.attempt, -1, tail).await {
                 Ok(Some(r)) => {
                     return Ok(proto::GetJobLogsResponse {
                         attempt: at.attempt,
@@ -222,12 +224,14 @@ pub async fn follow(
         };
         attempt = at.attempt;
         let mut read_any = false;
+        let mut cut_off = at.worker.is_none();
         if let Some(w) = &at.worker {
             if client.is_none() {
                 client = connect(&store, &keys, w).await.ok();
             }
+            cut_off = client.is_none();
             while let Some(c) = client.as_mut() {
-                match read_at(c, &job, attempt, offset, CHUNK).await {
+                match read_at(c, w, &job, attempt, offset, CHUNK).await {
                     Ok(Some(r)) if !r.content.is_empty() => {
                         offset = r.offset + r.content.len() as i64;
                         read_any = true;
@@ -239,9 +243,14 @@ pub async fn follow(
                             return;
                         }
                     }
-                    Ok(_) => break,
+                    Ok(r) => {
+                        // A folder gone before everything was sent is a cut, not an end.
+                        cut_off = r.is_none() && offset > 0;
+                        break;
+                    }
                     Err(_) => {
                         client = None;
+                        cut_off = true;
                         break;
                     }
                 }
@@ -259,6 +268,12 @@ pub async fn follow(
                         }))
                         .await;
                 }
+            } else if cut_off {
+                let why = format!(
+                    "attempt {attempt} ended, but its worker no longer serves the rest of its \
+                     log after byte {offset}; `baton job logs` shows the tail etcd kept"
+                );
+                let _ = tx.send(Err(Status::unavailable(why))).await;
             }
             return;
         }

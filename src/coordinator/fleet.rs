@@ -158,13 +158,16 @@ impl Fleet {
     }
 
     /// The live, non-draining worker that has every label of `selector` and the most free
-    /// slots (ties by id), given the slots taken per incarnation.
+    /// slots (ties by id), given the slots taken per incarnation; for a job with no selector,
+    /// unlabelled workers first.
     pub(super) fn pick(
         &self,
         used: &HashMap<(String, i64), usize>,
         selector: &Selector,
     ) -> Option<Pick> {
-        let mut best: Option<(usize, &WorkerView)> = None;
+        // A job that needs no label goes to an unlabelled worker while one has room, keeping the
+        // labelled ones free for the jobs that need them.
+        let mut best: Option<((bool, usize), &WorkerView)> = None;
         let now = Instant::now();
         for w in self.workers.values() {
             let distrusted = || {
@@ -185,8 +188,9 @@ impl Fleet {
                 .copied()
                 .unwrap_or(0);
             let free = (w.record.capacity as usize).saturating_sub(taken);
-            if free > 0 && best.is_none_or(|(f, _)| free > f) {
-                best = Some((free, w));
+            let rank = (selector.is_empty() && w.record.labels.is_empty(), free);
+            if free > 0 && best.is_none_or(|(r, _)| rank > r) {
+                best = Some((rank, w));
             }
         }
         best.map(|(_, w)| Pick {

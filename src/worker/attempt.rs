@@ -54,6 +54,8 @@ pub(super) struct Incarnation {
     pub(super) processes: Arc<AtomicUsize>,
     /// Cleanup guards alive.
     pub(super) cleanups: Arc<AtomicUsize>,
+    /// A drain is on: job assignments that raced the draining mark are refused, not started.
+    pub(super) draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The keys one assignment is about: its own, and the record the worker writes.
@@ -145,6 +147,11 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
         at_ms: now_ms(),
         ..base.clone()
     };
+    if a.kind == AssignmentKind::Job && inc.draining.load(Ordering::SeqCst) {
+        let why = reject("the worker is draining".into());
+        report(&inc, &keys, &id, token, why).await;
+        return;
+    }
     let first = *ctl.borrow();
     match first {
         Control::Run => {}

@@ -121,7 +121,8 @@ impl Loop {
     /// A drain's time is up: every attempt still running is stopped and recorded `preempted`
     /// (a cancel in progress goes on as a cancel).
     fn preempt_running(&self) {
-        for s in self.slots.values() {
+        // Cleanup commands and folder removals are not the drain's to move.
+        for (_, s) in self.slots.iter().filter(|(slot, _)| !slot.contains('/')) {
             s.ctl.send_if_modified(|c| {
                 let run = *c == Control::Run;
                 if run {
@@ -152,6 +153,7 @@ pub(super) async fn serve(
             deadlines: lease.subscribe(),
             processes: Arc::new(AtomicUsize::new(0)),
             cleanups: Arc::new(AtomicUsize::new(0)),
+            draining: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         }),
         slots: HashMap::new(),
         tasks: TaskTracker::new(),
@@ -161,8 +163,9 @@ pub(super) async fn serve(
     let drain_key = keys.drain(&config.worker_id);
     let mut pet = tokio::time::interval(config.lease_ttl / 6);
     let mut drain: Option<Drain> = None;
-    // What this incarnation's record says about draining, as far as it knows.
-    let mut marked = false;
+    // What this incarnation's record says about draining, as far as it knows; unknown at
+    // first (it registers drained when an operator's request stands), so checked once.
+    let mut marked: Option<bool> = None;
     let mut marking: Option<tokio::task::JoinHandle<(bool, bool)>> = None;
     let tracker = lp.tasks.clone();
     let end = 'resync: loop {
@@ -172,6 +175,9 @@ pub(super) async fn serve(
         }
         if stop.is_cancelled() && !exiting(&drain) {
             Drain::begin(&mut drain, config, true);
+            lp.inc
+                .draining
+                .store(true, std::sync::atomic::Ordering::SeqCst);
             lp.tasks.close();
         }
         if exiting(&drain) && lp.tasks.is_empty() {
@@ -230,6 +236,9 @@ pub(super) async fn serve(
             lp.cancel(&job);
         }
         requested(&mut drain, config, state.drain_requested);
+        lp.inc
+            .draining
+            .store(drain.is_some(), std::sync::atomic::Ordering::SeqCst);
         let opts = || WatchOptions::new().with_start_revision(at + 1);
         let mut client = store.client();
         let watched = tokio::time::timeout(
@@ -258,7 +267,10 @@ pub(super) async fn serve(
             // The record follows the drain state, written off the loop so a slow etcd never
             // starves the watchdog.
             let want = drain.is_some();
-            if want != marked && marking.is_none() {
+            lp.inc
+                .draining
+                .store(want, std::sync::atomic::Ordering::SeqCst);
+            if marked != Some(want) && marking.is_none() {
                 let (store, keys, config) = (store.clone(), keys.clone(), config.clone());
                 marking = Some(tokio::spawn(async move {
                     let done =
@@ -271,14 +283,15 @@ pub(super) async fn serve(
                 biased;
                 _ = stop.cancelled(), if !exiting(&drain) => {
                     Drain::begin(&mut drain, config, true);
+            lp.inc.draining.store(true, std::sync::atomic::Ordering::SeqCst);
                     lp.tasks.close();
                 }
                 _ = lease.lost().cancelled() => break 'resync End::Lost("the lease could not be proven"),
-                _ = tracker.wait(), if exiting(&drain) && marking.is_none() => break 'resync End::Stopped,
+                _ = tracker.wait(), if exiting(&drain) => break 'resync End::Stopped,
                 done = async { marking.as_mut().expect("guarded").await }, if marking.is_some() => {
                     marking = None;
                     match done {
-                        Ok((want, true)) => marked = want,
+                        Ok((want, true)) => marked = Some(want),
                         _ => tokio::time::sleep(Duration::from_millis(200)).await,
                     }
                 }
@@ -312,6 +325,7 @@ pub(super) async fn serve(
                                 }
                             } else if kv.key() == drain_key.as_bytes() {
                                 requested(&mut drain, config, ev.event_type() == EventType::Put);
+                                lp.inc.draining.store(drain.is_some(), std::sync::atomic::Ordering::SeqCst);
                             } else if let Some(job) = Keys::id_in(&prefix, kv.key()) {
                                 match ev.event_type() {
                                     EventType::Put => lp.assigned(job, kv),
@@ -337,7 +351,7 @@ pub(super) async fn serve(
     };
     match end {
         End::Stopped => {
-            if !marked {
+            if marked != Some(true) {
                 super::registration::set_draining(store, keys, config, rev, true).await;
             }
             lp.end_all(Control::Preempt);

@@ -15,17 +15,22 @@ use crate::jobs::spec;
 use crate::proto::{self, worker_service_server::WorkerService};
 
 /// Most bytes one read returns.
-pub const READ_MAX: u32 = 4 * 1024 * 1024;
+/// Below gRPC's default 4 MiB message limit, framing included.
+pub const READ_MAX: u32 = 3 * 1024 * 1024;
 const READ_DEFAULT: u32 = 64 * 1024;
 
 #[derive(Clone)]
 pub struct WorkerLogs {
+    worker_id: String,
     storage_dir: PathBuf,
 }
 
 impl WorkerLogs {
-    pub fn new(storage_dir: PathBuf) -> Self {
-        Self { storage_dir }
+    pub fn new(worker_id: String, storage_dir: PathBuf) -> Self {
+        Self {
+            worker_id,
+            storage_dir,
+        }
     }
 }
 
@@ -37,6 +42,12 @@ impl WorkerService for WorkerLogs {
     ) -> Result<Response<proto::ReadLogResponse>, Status> {
         let req = req.into_inner();
         spec::validate_id(&req.job_id).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if !req.worker_id.is_empty() && req.worker_id != self.worker_id {
+            return Err(Status::failed_precondition(format!(
+                "this is worker {}, not {}",
+                self.worker_id, req.worker_id
+            )));
+        }
         if req.attempt == 0 {
             return Err(Status::invalid_argument("attempt must be at least 1"));
         }
@@ -46,7 +57,13 @@ impl WorkerService for WorkerLogs {
         } as u64;
         let dir = record::job_dir(&self.storage_dir, &req.job_id);
         let path = record::log_path(&dir, &format!("attempt-{}", req.attempt));
-        let mut f = match tokio::fs::File::open(&path).await {
+        // A job could plant a symlink in its own folder: only a regular file is served.
+        let opened = tokio::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+            .open(&path)
+            .await;
+        let mut f = match opened {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Ok(Response::new(proto::ReadLogResponse::default()))
@@ -54,7 +71,11 @@ impl WorkerService for WorkerLogs {
             Err(e) => return Err(Status::internal(format!("cannot read the log: {e}"))),
         };
         let read = async {
-            let size = f.metadata().await?.len();
+            let meta = f.metadata().await?;
+            if !meta.is_file() {
+                return Err(std::io::Error::other("not a regular file"));
+            }
+            let size = meta.len();
             let start = if req.offset < 0 {
                 size.saturating_sub(max)
             } else {

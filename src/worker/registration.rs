@@ -22,6 +22,18 @@ pub(super) async fn register(
     stop: &CancellationToken,
 ) -> Option<i64> {
     let key = keys.worker(&config.worker_id);
+    // A worker an operator drained comes back drained: nothing is assigned to it in between.
+    let mut c = store.client();
+    let drained = store
+        .timed(
+            "read drain request",
+            c.get(
+                keys.drain(&config.worker_id),
+                Some(GetOptions::new().with_count_only()),
+            ),
+        )
+        .await
+        .is_ok_and(|r| r.count() > 0);
     let record = WorkerRecord {
         version: WORKER_VERSION,
         worker_id: config.worker_id.clone(),
@@ -29,7 +41,7 @@ pub(super) async fn register(
         capacity: config.capacity as u32,
         cleanup_capacity: config.max_cleanups as u32,
         labels: config.labels.clone(),
-        draining: false,
+        draining: drained,
         started_at: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
         lease_ttl_ms: config.lease_ttl.as_millis() as u64,
         margin_ms: config.guard.margin.as_millis() as u64,
