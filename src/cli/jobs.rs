@@ -189,19 +189,7 @@ pub async fn submit(args: &SubmitArgs) -> anyhow::Result<()> {
             .and_then(|t| prost_types::Duration::try_from(t).ok()),
         worker_selector,
     };
-    let resp = call_any(&args.client, |ch| {
-        let req = SubmitJobRequest {
-            job_id: id.clone(),
-            spec: Some(spec.clone()),
-        };
-        async move {
-            Ok(JobServiceClient::new(ch)
-                .submit_job(req)
-                .await?
-                .into_inner())
-        }
-    })
-    .await?;
+    let resp = submit_spec(&args.client, &id, spec).await?;
     let job = resp.job.unwrap_or_default();
     if args.wait {
         return wait_for(&args.client, &job.job_id).await;
@@ -221,7 +209,29 @@ pub async fn submit(args: &SubmitArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn get_job(c: &crate::config::ClientArgs, id: &str) -> anyhow::Result<Job> {
+/// Submits `spec` as job `id` through the first replica that answers (a retry is safe: the id
+/// is chosen by the caller).
+pub async fn submit_spec(
+    c: &crate::config::ClientArgs,
+    id: &str,
+    spec: JobSpec,
+) -> anyhow::Result<crate::proto::SubmitJobResponse> {
+    call_any(c, |ch| {
+        let req = SubmitJobRequest {
+            job_id: id.to_string(),
+            spec: Some(spec.clone()),
+        };
+        async move {
+            Ok(JobServiceClient::new(ch)
+                .submit_job(req)
+                .await?
+                .into_inner())
+        }
+    })
+    .await
+}
+
+pub async fn get_job(c: &crate::config::ClientArgs, id: &str) -> anyhow::Result<Job> {
     call_any(c, |ch| {
         let req = GetJobRequest {
             job_id: id.to_string(),

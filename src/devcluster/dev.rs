@@ -153,8 +153,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
 /// A job that runs on a separate worker (its selector) for a minute, printing as it goes;
 /// returns the worker it runs on.
 async fn demo(c: &ClientArgs) -> anyhow::Result<String> {
-    use crate::proto::job_service_client::JobServiceClient;
-    use crate::proto::{GetJobRequest, JobSpec, SubmitJobRequest};
+    use crate::proto::JobSpec;
     let spec = JobSpec {
         command: vec![
             "sh".into(),
@@ -165,30 +164,10 @@ async fn demo(c: &ClientArgs) -> anyhow::Result<String> {
         worker_selector: [("pool".to_string(), "workers".to_string())].into(),
         ..Default::default()
     };
-    crate::cli::call_any(c, |ch| {
-        let req = SubmitJobRequest {
-            job_id: "demo".into(),
-            spec: Some(spec.clone()),
-        };
-        async move {
-            Ok(JobServiceClient::new(ch)
-                .submit_job(req)
-                .await?
-                .into_inner())
-        }
-    })
-    .await?;
+    crate::cli::jobs::submit_spec(c, "demo", spec).await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
-        let job = crate::cli::call_any(c, |ch| async move {
-            Ok(JobServiceClient::new(ch)
-                .get_job(GetJobRequest {
-                    job_id: "demo".into(),
-                })
-                .await?
-                .into_inner())
-        })
-        .await?;
+        let job = crate::cli::jobs::get_job(c, "demo").await?;
         if !job.worker.is_empty() {
             return Ok(job.worker);
         }
