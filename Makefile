@@ -9,7 +9,11 @@ SOAK_DURATION ?= 30m
 SOAK_RATE ?= 5
 SOAK_SEED ?= $(shell date +%s)
 
-.PHONY: deps build run test lint soak
+# Python tools of the deployment checks (kubernetes-validate, prometheus_client's parser).
+PYTHON ?= python3
+VENV := target/test-venv
+
+.PHONY: deps build run test lint soak pydeps
 
 deps:
 	@./scripts/install-deps
@@ -24,8 +28,15 @@ lint: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets -- -D warnings
 
-test: lint
-	$(CARGO) test -- --test-threads=$(TEST_THREADS)
+pydeps: $(VENV)/.installed
+
+$(VENV)/.installed: tests/tools/requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r tests/tools/requirements.txt
+	touch $@
+
+test: lint pydeps
+	BATON_TEST_PYTHON=$(abspath $(VENV))/bin/python $(CARGO) test -- --test-threads=$(TEST_THREADS)
 
 soak: build
 	./target/debug/baton drill --etcd-members 3 --shuffle --duration $(SOAK_DURATION) \

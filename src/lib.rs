@@ -5,7 +5,7 @@
 //! does: the job actor, recovery, cleanup), `exec` (the spawner and the lease guard, which know
 //! nothing of leadership), `jobs` (specs and stored records), `api` (gRPC), `cli` (client
 //! commands), `server` (one replica wired together), `devcluster` (local clusters for `baton
-//! dev`, drills and tests), `rolelog` (the audit trail of leadership).
+//! dev`, drills and tests), `rolelog` (the audit trail of leadership), `metrics` (what Prometheus scrapes).
 
 pub mod api;
 pub mod cli;
@@ -18,6 +18,7 @@ pub mod election;
 pub mod exec;
 pub mod jobs;
 pub mod logging;
+pub mod metrics;
 pub mod rolelog;
 pub mod server;
 pub mod store;

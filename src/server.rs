@@ -55,6 +55,7 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         guard_bin,
         listener,
     } = open(&args.etcd, &args.cluster, &args.run, args.listen).await?;
+    serve_metrics(args.metrics_listen).await?;
 
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone())?;
@@ -124,8 +125,15 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
             worker_stop.clone(),
         ))
     });
+    tokio::spawn(election::observe(
+        store.clone(),
+        keys.clone(),
+        shutdown.clone(),
+    ));
     let api_stop = CancellationToken::new();
     let services = Services {
+        store: store.clone(),
+        probe_key: keys.prefix().to_string(),
         jobs: JobApi::new(store.clone(), keys.clone(), replica_id.clone()),
         fleet: FleetApi::new(store.clone(), keys.clone(), replica_id.clone()),
         cluster: ClusterApi::new(store, keys, replica_id.clone(), role_rx, cmd_tx),
@@ -195,6 +203,20 @@ async fn open(
     })
 }
 
+/// Binds `--metrics-listen`, if given, and serves `/metrics` there for the process's life.
+async fn serve_metrics(listen: Option<std::net::SocketAddr>) -> Result<(), Error> {
+    let Some(addr) = listen else { return Ok(()) };
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Listen { addr, source })?;
+    tokio::spawn(async move {
+        if let Err(e) = api::serve_metrics(listener).await {
+            tracing::error!(error = %e, "the metrics server failed");
+        }
+    });
+    Ok(())
+}
+
 fn storage_dir(run: &RunArgs) -> Result<std::path::PathBuf, Error> {
     let dir = &run.storage_dir;
     std::fs::create_dir_all(dir).map_err(|e| Error::Storage(dir.clone(), e))?;
@@ -245,6 +267,7 @@ pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
         guard_bin,
         listener,
     } = open(&args.etcd, &args.cluster, &args.run, args.listen).await?;
+    serve_metrics(args.metrics_listen).await?;
     let worker_id = args.worker_id();
     let advertise = args.advertise();
     let guard = guard_settings(&args.run, guard_bin, args.margin());
@@ -264,6 +287,8 @@ pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
     let health = tokio::spawn(api::serve_worker(
         listener,
         logs,
+        store.clone(),
+        keys.prefix().to_string(),
         shutdown.clone(),
         api_stop.clone(),
     ));

@@ -14,29 +14,6 @@ use support::*;
 
 const LONG: Duration = Duration::from_secs(60);
 
-/// Notes each execution (`<attempt> <worker>`) in `out/<id>`, runs until `out/<gate>` exists.
-fn gated(out: &Path, gate: &str) -> JobSpec {
-    let mut spec = sh(&format!(
-        "echo \"$BATON_ATTEMPT $BATON_WORKER\" >> \"$OUT/$BATON_JOB_ID\"; \
-         while [ ! -e \"$OUT/{gate}\" ]; do sleep 0.1; done"
-    ));
-    spec.env.insert("OUT".into(), out.display().to_string());
-    spec
-}
-
-/// Notes each execution in `out/<id>` and ends after `secs`.
-fn brief(out: &Path, secs: f32) -> JobSpec {
-    let mut spec = sh(&format!(
-        "echo \"$BATON_ATTEMPT $BATON_WORKER\" >> \"$OUT/$BATON_JOB_ID\"; sleep {secs}"
-    ));
-    spec.env.insert("OUT".into(), out.display().to_string());
-    spec
-}
-
-fn runs(out: &Path, id: &str) -> usize {
-    line_count(&out.join(id))
-}
-
 /// The worker of the latest execution noted in `out/<id>`.
 fn ran_on(out: &Path, id: &str) -> String {
     std::fs::read_to_string(out.join(id))

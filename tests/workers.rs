@@ -15,16 +15,7 @@ const LONG: Duration = Duration::from_secs(60);
 
 /// A job that notes each of its executions in `out/<id>` and runs until `out/release` exists.
 fn held(out: &Path) -> JobSpec {
-    let mut spec = sh(
-        "echo \"$BATON_ATTEMPT $BATON_WORKER\" >> \"$OUT/$BATON_JOB_ID\"; \
-         while [ ! -e \"$OUT/release\" ]; do sleep 0.1; done",
-    );
-    spec.env.insert("OUT".into(), out.display().to_string());
-    spec
-}
-
-fn runs(out: &Path, id: &str) -> usize {
-    line_count(&out.join(id))
+    gated(out, "release")
 }
 
 /// Every job started once and each still runs its first attempt; then they are released and

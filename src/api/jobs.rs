@@ -232,6 +232,7 @@ impl JobService for JobApi {
         &self,
         req: Request<proto::SubmitJobRequest>,
     ) -> Result<Response<proto::SubmitJobResponse>, Status> {
+        let _timer = crate::metrics::get().submit_seconds.start_timer();
         let req = req.into_inner();
         let spec = resolve_spec(req.spec)?;
         let id = if req.job_id.is_empty() {

@@ -3,21 +3,27 @@
 
 mod cluster;
 mod fleet;
+mod health;
 mod jobs;
 mod logs;
+mod metrics;
 mod status;
 
 pub use cluster::ClusterApi;
 pub use fleet::FleetApi;
+pub use health::LIVENESS;
 pub use jobs::{job_view, JobApi};
+pub use metrics::serve_metrics;
 
 use std::net::SocketAddr;
 
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
+use tonic::server::NamedService;
 use tonic::transport::Server;
-use tonic_health::server::HealthReporter;
+
+use crate::store::Store;
 
 use crate::proto::cluster_service_server::ClusterServiceServer;
 use crate::proto::fleet_service_server::FleetServiceServer;
@@ -27,6 +33,9 @@ use crate::worker::WorkerLogs;
 
 /// What a replica serves.
 pub struct Services {
+    /// etcd, for the readiness probes, and the key they read.
+    pub store: Store,
+    pub probe_key: String,
     pub cluster: ClusterApi,
     pub jobs: JobApi,
     pub fleet: FleetApi,
@@ -34,8 +43,9 @@ pub struct Services {
     pub worker: Option<WorkerLogs>,
 }
 
-/// Serves until `stop` fires, then drains in-flight calls. Health turns NOT_SERVING as soon as
-/// `draining` fires (the replica is handing over), so load balancers stop sending work.
+/// Serves until `stop` fires, then drains in-flight calls. Readiness follows etcd's reach and
+/// turns NOT_SERVING for good as soon as `draining` fires (the replica is handing over), so
+/// load balancers stop sending work; liveness stays SERVING (see [`health`]).
 pub async fn serve(
     listener: TcpListener,
     services: Services,
@@ -43,7 +53,23 @@ pub async fn serve(
     stop: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let (health, health_service) = tonic_health::server::health_reporter();
-    mark_serving(&health).await;
+    let Services {
+        store,
+        probe_key,
+        cluster,
+        jobs,
+        fleet,
+        worker,
+    } = services;
+    let mut ready = vec![
+        service_name::<ClusterServiceServer<ClusterApi>>(),
+        service_name::<JobServiceServer<JobApi>>(),
+        service_name::<FleetServiceServer<FleetApi>>(),
+    ];
+    if worker.is_some() {
+        ready.push(service_name::<WorkerServiceServer<WorkerLogs>>());
+    }
+    health::report(health, store, probe_key, ready, draining).await;
     // Both versions: grpcurl speaks v1, while Python's grpcio-reflection, Postman and older
     // grpcurl speak only v1alpha.
     let reflection = || {
@@ -59,19 +85,6 @@ pub async fn serve(
         .expect("the embedded descriptor sets are valid");
     let local: Option<SocketAddr> = listener.local_addr().ok();
     tracing::info!(listen = ?local, "gRPC API serving");
-    tokio::spawn(async move {
-        draining.cancelled().await;
-        health
-            .set_service_status("", tonic_health::ServingStatus::NotServing)
-            .await;
-        health.set_not_serving::<JobServiceServer<JobApi>>().await;
-    });
-    let Services {
-        cluster,
-        jobs,
-        fleet,
-        worker,
-    } = services;
     Server::builder()
         .add_service(health_service)
         .add_service(reflection_v1)
@@ -84,24 +97,19 @@ pub async fn serve(
         .await
 }
 
-/// A worker's listener: `grpc.health.v1` (SERVING until `draining` fires) and
-/// `baton.v1.WorkerService`, which the replicas read job output from.
+/// A worker's listener: `grpc.health.v1` (liveness; readiness while etcd answers, until
+/// `draining` fires) and `baton.v1.WorkerService`, which the replicas read job output from.
 pub async fn serve_worker(
     listener: TcpListener,
     logs: WorkerLogs,
+    store: Store,
+    probe_key: String,
     draining: CancellationToken,
     stop: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
-    tokio::spawn(async move {
-        draining.cancelled().await;
-        health
-            .set_service_status("", tonic_health::ServingStatus::NotServing)
-            .await;
-    });
+    let ready = vec![service_name::<WorkerServiceServer<WorkerLogs>>()];
+    health::report(health, store, probe_key, ready, draining).await;
     Server::builder()
         .add_service(health_service)
         .add_service(WorkerServiceServer::new(logs))
@@ -109,12 +117,6 @@ pub async fn serve_worker(
         .await
 }
 
-async fn mark_serving(health: &HealthReporter) {
-    health
-        .set_serving::<ClusterServiceServer<ClusterApi>>()
-        .await;
-    health.set_serving::<JobServiceServer<JobApi>>().await;
-    health
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
+fn service_name<S: NamedService>() -> &'static str {
+    S::NAME
 }

@@ -22,6 +22,9 @@ pub struct ServeArgs {
     /// gRPC listen address. Loopback by default: the API runs commands for whoever reaches it.
     #[arg(long, env = "BATON_LISTEN", default_value = "127.0.0.1:7600")]
     pub listen: SocketAddr,
+    /// Serve Prometheus metrics at `/metrics` on this address (off unless given).
+    #[arg(long, env = "BATON_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
     /// Address other replicas and clients should use (default: the listen address).
     #[arg(long, env = "BATON_ADVERTISE")]
     pub advertise: Option<String>,

@@ -97,6 +97,9 @@ pub struct WorkerArgs {
     /// `--advertise` set to the pod's address.
     #[arg(long, env = "BATON_LISTEN", default_value = "127.0.0.1:7071")]
     pub listen: std::net::SocketAddr,
+    /// Serve Prometheus metrics at `/metrics` on this address (off unless given).
+    #[arg(long, env = "BATON_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Where replicas reach this worker (default: the listen address).
     #[arg(long, env = "BATON_ADVERTISE")]
     pub advertise: Option<String>,

@@ -21,6 +21,7 @@ use super::{cleanup, recovery, Ctx, Writer};
 use crate::election::Term;
 use crate::jobs::records;
 use crate::jobs::work::{WorkerRecord, WORKER_VERSION};
+use crate::metrics;
 use crate::store::{codec, Keys};
 
 /// Leads one term: recovery, then the watches, until the term ends.
@@ -131,13 +132,17 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
                     actor.settle(id, pick, outcome);
                 }
                 _ = sleep => actor.fire_timers(),
-                _ = sweep.tick() => actor.fill_slots(),
+                _ = sweep.tick() => {
+                    actor.fill_slots();
+                    actor.report();
+                }
                 _ = sleep_until_opt(budget), if budget.is_some() => actor.fill_slots(),
             }
         }
     }
     actor.tasks.abort_all();
     while actor.tasks.join_next().await.is_some() {}
+    metrics::get().clear_registry_gauges();
 }
 
 type Incarnation = (String, i64);
@@ -368,6 +373,33 @@ impl Actor {
             self.reconcile_with(first.1, true);
         }
         self.waiting.extend(passed);
+    }
+
+    /// Publishes the registry's states and the fleet as this term knows them.
+    fn report(&self) {
+        let m = metrics::get();
+        let pending: HashSet<&String> = self
+            .waiting
+            .iter()
+            .map(|(_, id)| id)
+            .chain(self.timers.values().flatten())
+            .chain(self.inflight.iter())
+            .filter(|id| !self.assigned.contains_key(*id))
+            .collect();
+        m.jobs
+            .with_label_values(&["pending"])
+            .set(pending.len() as i64);
+        m.jobs
+            .with_label_values(&["running"])
+            .set(self.assigned.len() as i64);
+        let fleet = self.fleet.lock().expect("fleet lock");
+        let draining = fleet.workers.values().filter(|w| w.record.draining).count();
+        m.workers
+            .with_label_values(&["live"])
+            .set(fleet.workers.len() as i64);
+        m.workers
+            .with_label_values(&["draining"])
+            .set(draining as i64);
     }
 
     fn fire_timers(&mut self) {

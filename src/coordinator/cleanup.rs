@@ -35,6 +35,7 @@ use crate::jobs::work::{
     CLEANUP_ASSIGNMENT_VERSION, WORKER_VERSION,
 };
 use crate::jobs::{self, Snapshot};
+use crate::metrics;
 use crate::store::codec;
 use crate::store::Keys;
 
@@ -43,7 +44,9 @@ enum Next {
     Done,
     /// Retry at this Unix ms.
     At(u64),
-    /// Stopped: needs an operator, paused by the hook, term over, or nothing to do.
+    /// Its attempts are exhausted: waits for `baton job cleanup ID --now`.
+    NeedsOperator,
+    /// Stopped: paused by the hook, term over, or nothing to do.
     Stop,
 }
 
@@ -55,6 +58,8 @@ pub async fn run(ctx: Arc<Ctx>, writer: Writer) {
     let mut inflight: HashSet<String> = HashSet::new();
     let mut recheck: HashSet<String> = HashSet::new();
     let mut timers: BTreeMap<u64, HashSet<String>> = BTreeMap::new();
+    let mut needs_operator: HashSet<String> = HashSet::new();
+    let mut report = tokio::time::interval(Duration::from_secs(1));
     let mut retention = tokio::time::interval(
         (ctx.config.cleanup.retention / 4)
             .clamp(Duration::from_millis(500), Duration::from_secs(60)),
@@ -139,8 +144,15 @@ pub async fn run(ctx: Arc<Ctx>, writer: Writer) {
                 Some(done) = tasks.join_next() => {
                     let Ok((id, next)) = done else { continue };
                     inflight.remove(&id);
-                    if let Next::At(at) = next {
-                        timers.entry(at).or_default().insert(id.clone());
+                    needs_operator.remove(&id);
+                    match next {
+                        Next::At(at) => {
+                            timers.entry(at).or_default().insert(id.clone());
+                        }
+                        Next::NeedsOperator => {
+                            needs_operator.insert(id.clone());
+                        }
+                        Next::Done | Next::Stop => {}
                     }
                     if recheck.remove(&id) {
                         schedule(id, &mut tasks, &mut inflight, &mut recheck);
@@ -156,12 +168,20 @@ pub async fn run(ctx: Arc<Ctx>, writer: Writer) {
                     }
                 }
                 _ = retention.tick() => expire_clean(&ctx, &writer).await,
+                _ = report.tick() => {
+                    let waiting: usize = timers.values().map(HashSet::len).sum();
+                    let m = metrics::get();
+                    m.cleanups_pending
+                        .set((inflight.len() + waiting + needs_operator.len()) as i64);
+                    m.cleanups_needing_operator.set(needs_operator.len() as i64);
+                }
             }
         }
     }
     // The steps on workers go on; the next leader waits for their reports.
     tasks.abort_all();
     while tasks.join_next().await.is_some() {}
+    metrics::get().clear_cleanup_gauges();
 }
 
 async fn read_pages(ctx: &Ctx) -> Result<(i64, Vec<String>), jobs::Error> {
@@ -228,7 +248,7 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
             progress.needs_operator = false;
             progress.next_retry_ms = 0;
         } else if progress.needs_operator {
-            return Next::Stop;
+            return Next::NeedsOperator;
         } else if progress.next_retry_ms > records::now_ms() {
             return Next::At(progress.next_retry_ms);
         }
@@ -290,6 +310,7 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
                 }
             }
             Step::Failed(e) => {
+                metrics::get().cleanup_failures.inc();
                 p.retries = 0;
                 p.attempts += 1;
                 p.last_error = Some(e.clone());

@@ -25,6 +25,7 @@ use crate::jobs::work::{
     Assignment, AssignmentKind, AttemptRecord, AttemptState, ASSIGNMENT_VERSION,
 };
 use crate::jobs::{self, Snapshot};
+use crate::metrics::{self, Restart};
 use crate::store::codec;
 
 /// What a transition found or did.
@@ -449,6 +450,11 @@ impl JobCtx<'_> {
         match self.write(self.same_attempt(), ops).await {
             Ok(_) => {
                 tracing::info!(job_id = self.id(), attempt = self.entry.attempt, reason = ?why, "attempt given back; the job waits for a worker again");
+                match why {
+                    Requeue::Lost => metrics::get().restarted(Restart::WorkerLost),
+                    Requeue::Preempted => metrics::get().restarted(Restart::Preempted),
+                    Requeue::Unstarted => {}
+                }
                 Outcome::Idle
             }
             Err(o) => o,
@@ -518,7 +524,10 @@ impl JobCtx<'_> {
         let mut ops = vec![TxnOp::put(k.registry, codec::encode(&entry), None)];
         ops.extend(self.end_assignment());
         match self.write(self.same_attempt(), ops).await {
-            Ok(_) => Outcome::Later(entry.not_before_ms),
+            Ok(_) => {
+                metrics::get().restarted(Restart::FailedAttempt);
+                Outcome::Later(entry.not_before_ms)
+            }
             Err(o) => o,
         }
     }

@@ -44,13 +44,15 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         })?;
         Ok(listen)
     };
-    let spec = |id: String, listen: SocketAddr, worker: bool| {
+    let spec = |id: String, listen: SocketAddr, metrics: SocketAddr, worker: bool| {
         // A short drain, so Ctrl-C stops everything in seconds.
         let mut extra = vec![
             "--storage-dir".into(),
             storage.join(&id).display().to_string(),
             "--drain-timeout".into(),
             "5s".into(),
+            "--metrics-listen".into(),
+            metrics.to_string(),
         ];
         if worker {
             extra.extend(["--labels".into(), "pool=workers".into()]);
@@ -70,17 +72,24 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let mut replicas = Vec::new();
     for i in 0..args.replicas.max(1) {
         let listen = port_for(i as u16)?;
-        let r = ReplicaProcess::spawn(spec(format!("replica-{}", i + 1), listen, false))
+        let metrics = port_for(200 + i as u16)?;
+        let r = ReplicaProcess::spawn(spec(format!("replica-{}", i + 1), listen, metrics, false))
             .context("starting a replica")?;
-        println!("{}: {} (log {})", r.id(), listen, r.log_path().display());
+        println!(
+            "{}: {} (metrics http://{metrics}/metrics; log {})",
+            r.id(),
+            listen,
+            r.log_path().display()
+        );
         replicas.push(r);
     }
     for i in 0..args.workers {
         let listen = port_for(100 + i as u16)?;
-        let w = ReplicaProcess::spawn(spec(format!("worker-{}", i + 1), listen, true))
+        let metrics = port_for(300 + i as u16)?;
+        let w = ReplicaProcess::spawn(spec(format!("worker-{}", i + 1), listen, metrics, true))
             .context("starting a worker")?;
         println!(
-            "{}: {} (separate worker, pool=workers; log {})",
+            "{}: {} (separate worker, pool=workers; metrics http://{metrics}/metrics; log {})",
             w.id(),
             listen,
             w.log_path().display()
@@ -102,17 +111,20 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         ..client.clone()
     };
     let eps = endpoints.join(",");
-    println!("\ntry:  baton leader get --endpoints {eps}");
-    println!("      baton worker list --endpoints {eps}");
+    // The binary's own path, so the commands work as printed without `baton` on PATH.
+    let b = bin.display();
+    println!("\ntry:  {b} leader get --endpoints {eps}");
+    println!("      {b} worker list --endpoints {eps}");
     if args.workers > 0 && !args.no_demo {
         match demo(&client).await {
             Ok(on) => {
-                println!("      baton job logs -f demo --endpoints {eps}    (running on {on})");
-                println!("      baton job get demo --endpoints {eps}");
+                println!("      {b} job logs -f demo --endpoints {eps}    (running on {on})");
+                println!("      {b} job get demo --endpoints {eps}");
             }
             Err(e) => println!("(the demo job could not be submitted: {e:#})"),
         }
     }
+    println!("(`cargo install --path .` puts `baton` on your PATH)");
     println!("stop: Ctrl-C\n");
 
     let mut shown: Option<(String, i64)> = None;

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Term;
 use crate::clock::BootInstant;
+use crate::metrics::{self, LeaseReading};
 use crate::rolelog;
 use crate::store::{self, EtcdConfig, Store};
 
@@ -217,6 +218,23 @@ impl Lease {
         };
         let _ = self.watchdog.set(w.clone());
         self.watchdog.get().cloned().unwrap_or(w)
+    }
+
+    /// Reports this lease's keepalive age and margin to the metrics (as `kind`), until another
+    /// lease of the same kind replaces it.
+    pub fn report_metrics(&self, kind: &'static str) {
+        let stats = self.keepalives.clone();
+        let valid = self.valid_until.clone();
+        let margin = self.margin.as_secs_f64();
+        metrics::get().track_lease(kind, move || {
+            let now = BootInstant::now();
+            let until = *valid.borrow();
+            let left = (until.as_nanos() as f64 - now.as_nanos() as f64) / 1e9;
+            LeaseReading {
+                since_answer: stats.last_answered().until(now),
+                margin_left: left - margin,
+            }
+        });
     }
 
     /// Stops renewing. The lease then expires unless revoked first.

@@ -11,9 +11,11 @@
 //! succeed.
 
 mod lease;
+mod observer;
 mod term;
 
 pub use lease::{prove_once, Lease, Proof, Watchdog};
+pub use observer::observe;
 pub use term::{Commit, FenceError, Term};
 
 use std::time::{Duration, SystemTime};
@@ -24,6 +26,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::BootInstant;
+use crate::metrics;
 use crate::rolelog;
 use crate::store::{self, Keys, Store};
 
@@ -142,7 +145,10 @@ pub async fn run(
     while !shutdown.is_cancelled() {
         let lease = match Lease::grant(&store, config.ttl, config.margin, &config.replica_id).await
         {
-            Ok(l) => l,
+            Ok(l) => {
+                l.report_metrics("election");
+                l
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot grant an election lease; retrying");
                 pause(&mut retry, &shutdown).await;
@@ -195,9 +201,13 @@ pub async fn run(
             term.valid_until(),
             config.margin,
         );
+        let m = metrics::get();
+        m.is_leader.set(1);
+        m.term.set(term.revision());
         role.send_replace(Role::Leader(term.clone()));
         let (reason, resign_reply) = hold(&term, &mut commands, &shutdown).await;
         term.end(&reason);
+        m.is_leader.set(0);
         role.send_replace(Role::Follower);
         hand_over(&store, &config, &lease, &term).await;
         if let Some(reply) = resign_reply {

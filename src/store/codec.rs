@@ -11,6 +11,7 @@ static CORRUPT_VALUES: AtomicU64 = AtomicU64::new(0);
 /// Counts a corrupt value found by other means than [`decode`].
 pub fn note_corrupt() {
     CORRUPT_VALUES.fetch_add(1, Ordering::Relaxed);
+    crate::metrics::get().corrupt_values.inc();
 }
 
 /// How many corrupt or unknown-version values this process has met.
@@ -43,7 +44,7 @@ pub fn decode_any<T: DeserializeOwned>(
     accepted: &[u32],
 ) -> Result<T, Corrupt> {
     let fail = |reason: String| {
-        CORRUPT_VALUES.fetch_add(1, Ordering::Relaxed);
+        note_corrupt();
         let key = String::from_utf8_lossy(key).into_owned();
         tracing::error!(key = %key, reason = %reason, "corrupt value in etcd; leaving it alone");
         Corrupt { key, reason }

@@ -145,7 +145,10 @@ impl Store {
         call: impl Future<Output = Result<T, etcd_client::Error>>,
     ) -> Result<T, Error> {
         let timeout = self.config.request_timeout;
-        match tokio::time::timeout(timeout, call).await {
+        let started = std::time::Instant::now();
+        let r = tokio::time::timeout(timeout, call).await;
+        crate::metrics::get().etcd_request(op, started.elapsed());
+        match r {
             Ok(r) => r.map_err(Error::etcd(op)),
             Err(_) => Err(Error::Timeout { op, timeout }),
         }

@@ -22,6 +22,7 @@ use super::attempt::{self, Control, Incarnation};
 use super::WorkerConfig;
 use crate::election::Lease;
 use crate::jobs::work::{Assignment, ASSIGNMENT_VERSIONS_READ};
+use crate::metrics;
 use crate::store::{codec, Keys, Store};
 
 pub(super) enum End {
@@ -158,6 +159,7 @@ pub(super) async fn serve(
         slots: HashMap::new(),
         tasks: TaskTracker::new(),
     };
+    report_metrics(config, lp.inc.processes.clone());
     let prefix = keys.assignments_of(&config.worker_id, rev);
     let me = keys.worker(&config.worker_id);
     let drain_key = keys.drain(&config.worker_id);
@@ -459,4 +461,15 @@ async fn read_state(
         mine,
         drain_requested: drain.count() > 0,
     })
+}
+
+/// Reports this incarnation's running jobs and capacity at every scrape.
+fn report_metrics(config: &WorkerConfig, running: Arc<AtomicUsize>) {
+    let id = config.worker_id.clone();
+    let capacity = config.capacity as i64;
+    metrics::get().on_scrape(format!("worker/{id}"), move |m| {
+        let n = running.load(std::sync::atomic::Ordering::Relaxed) as i64;
+        m.worker_running.with_label_values(&[&id]).set(n);
+        m.worker_capacity.with_label_values(&[&id]).set(capacity);
+    });
 }

@@ -64,7 +64,10 @@ pub async fn run(store: Store, keys: Keys, config: WorkerConfig, stop: Cancellat
             _ = stop.cancelled() => return,
         };
         let lease = match lease {
-            Ok(l) => l,
+            Ok(l) => {
+                l.report_metrics("worker");
+                l
+            }
             Err(e) => {
                 tracing::warn!(worker = %config.worker_id, error = %e, "cannot grant the worker lease; retrying");
                 tokio::time::sleep(pause).await;

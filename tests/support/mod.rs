@@ -36,6 +36,8 @@ pub struct Options {
     pub worker_args: Vec<String>,
     /// Whether replicas run an embedded worker (`--worker`).
     pub embedded: bool,
+    /// Give every replica and separate worker `--metrics-listen` on a free port.
+    pub metrics: bool,
 }
 
 impl Default for Options {
@@ -49,6 +51,7 @@ impl Default for Options {
             workers: 0,
             worker_args: Vec::new(),
             embedded: true,
+            metrics: false,
         }
     }
 }
@@ -62,6 +65,9 @@ pub struct Cluster {
     pub ttl: Duration,
     pub cluster: String,
     pub dir: tempfile::TempDir,
+    /// `/metrics` of each replica and of each separate worker, with [`Options::metrics`].
+    pub replica_metrics: Vec<SocketAddr>,
+    pub worker_metrics: Vec<SocketAddr>,
 }
 
 impl Cluster {
@@ -87,12 +93,15 @@ impl Cluster {
                 etcd.endpoints()
             }
         };
-        let common = |extra: &[String]| -> Vec<String> {
-            [
-                vec!["--storage-dir".to_string(), storage.display().to_string()],
-                extra.to_vec(),
-            ]
-            .concat()
+        let (mut replica_metrics, mut worker_metrics) = (Vec::new(), Vec::new());
+        let common = |extra: &[String], metrics: &mut Vec<SocketAddr>| -> Vec<String> {
+            let mut args = vec!["--storage-dir".to_string(), storage.display().to_string()];
+            if opts.metrics {
+                let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+                args.extend(["--metrics-listen".to_string(), addr.to_string()]);
+                metrics.push(addr);
+            }
+            [args, extra.to_vec()].concat()
         };
         for i in 0..opts.replicas {
             let embedded = [
@@ -108,7 +117,7 @@ impl Cluster {
                 listen: ([127, 0, 0, 1], free_port()).into(),
                 lease_ttl: opts.ttl,
                 dir: dir.path().join("replicas"),
-                extra_args: common(&embedded),
+                extra_args: common(&embedded, &mut replica_metrics),
                 worker: false,
             };
             replicas.push(ReplicaProcess::spawn(spec).unwrap());
@@ -122,7 +131,7 @@ impl Cluster {
                 listen: ([127, 0, 0, 1], free_port()).into(),
                 lease_ttl: opts.ttl,
                 dir: dir.path().join("replicas"),
-                extra_args: common(&opts.worker_args),
+                extra_args: common(&opts.worker_args, &mut worker_metrics),
                 worker: true,
             };
             workers.push(ReplicaProcess::spawn(spec).unwrap());
@@ -136,6 +145,8 @@ impl Cluster {
             ttl: opts.ttl,
             cluster: "test".into(),
             dir,
+            replica_metrics,
+            worker_metrics,
         }
     }
 
@@ -602,6 +613,30 @@ pub fn worker_opts(workers: usize, worker_args: &[&str]) -> Options {
         extra_args: vec!["--cleanup-pause-after-stage".into(), "0".into()],
         ..Options::default()
     }
+}
+
+/// Notes each execution (`<attempt> <worker>`) in `out/<id>`, runs until `out/<gate>` exists.
+pub fn gated(out: &std::path::Path, gate: &str) -> JobSpec {
+    let mut spec = sh(&format!(
+        "echo \"$BATON_ATTEMPT $BATON_WORKER\" >> \"$OUT/$BATON_JOB_ID\"; \
+         while [ ! -e \"$OUT/{gate}\" ]; do sleep 0.1; done"
+    ));
+    spec.env.insert("OUT".into(), out.display().to_string());
+    spec
+}
+
+/// Notes each execution in `out/<id>` and ends after `secs`.
+pub fn brief(out: &std::path::Path, secs: f32) -> JobSpec {
+    let mut spec = sh(&format!(
+        "echo \"$BATON_ATTEMPT $BATON_WORKER\" >> \"$OUT/$BATON_JOB_ID\"; sleep {secs}"
+    ));
+    spec.env.insert("OUT".into(), out.display().to_string());
+    spec
+}
+
+/// How many executions of `id` the jobs of [`gated`] and [`brief`] noted.
+pub fn runs(out: &std::path::Path, id: &str) -> usize {
+    line_count(&out.join(id))
 }
 
 /// A folder for what test jobs write.

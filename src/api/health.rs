@@ -1,0 +1,82 @@
+//! `grpc.health.v1` for probes, with two meanings:
+//! - service [`LIVENESS`]: SERVING for as long as the process answers at all, a drain included,
+//!   so an orchestrator never kills a process that is handing over;
+//! - service `""` and each `baton.v1` service (readiness): SERVING while the process reaches etcd
+//!   (a linearizable read answered, checked every second) and is not shutting down. A follower
+//!   is ready: it serves reads and submissions. A process cut off from etcd turns NOT_SERVING
+//!   within the etcd timeout and SERVING again once etcd answers.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
+
+use crate::store::Store;
+
+/// The health service name a liveness probe asks for.
+pub const LIVENESS: &str = "liveness";
+
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// Starts reporting: liveness at once, readiness (`""` and `services`) from etcd probes until
+/// `draining` fires, then NOT_SERVING for good.
+pub async fn report(
+    health: HealthReporter,
+    store: Store,
+    probe_key: String,
+    services: Vec<&'static str>,
+    draining: CancellationToken,
+) {
+    health
+        .set_service_status(LIVENESS, ServingStatus::Serving)
+        .await;
+    let readiness = Readiness { health, services };
+    // The caller reached etcd just before serving.
+    readiness.set(ServingStatus::Serving).await;
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(PROBE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut ready = true;
+        loop {
+            let reached = tokio::select! {
+                _ = draining.cancelled() => break,
+                _ = tick.tick() => tokio::select! {
+                    _ = draining.cancelled() => break,
+                    r = reachable(&store, &probe_key) => r,
+                },
+            };
+            if reached != ready {
+                if reached {
+                    tracing::info!("etcd answers again: ready");
+                    readiness.set(ServingStatus::Serving).await;
+                } else {
+                    tracing::warn!("etcd does not answer: not ready");
+                    readiness.set(ServingStatus::NotServing).await;
+                }
+                ready = reached;
+            }
+        }
+        readiness.set(ServingStatus::NotServing).await;
+    });
+}
+
+struct Readiness {
+    health: HealthReporter,
+    services: Vec<&'static str>,
+}
+
+impl Readiness {
+    async fn set(&self, status: ServingStatus) {
+        self.health.set_service_status("", status).await;
+        for s in &self.services {
+            self.health.set_service_status(*s, status).await;
+        }
+    }
+}
+
+async fn reachable(store: &Store, key: &str) -> bool {
+    let mut c = store.client();
+    let probe = c.get(key, Some(etcd_client::GetOptions::new().with_count_only()));
+    store.timed("health probe", probe).await.is_ok()
+}

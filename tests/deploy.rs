@@ -1,0 +1,700 @@
+//! The deployment, checked without a Kubernetes cluster or a Docker engine: the kustomize base
+//! and overlay render and validate against the Kubernetes schemas; every flag and variable they
+//! use exists; the image's user, working directory and filesystem (uid 65532 from `/`, writing
+//! only to the mounted scratch folder) start coordinators and a worker that elect a leader and
+//! run a job; `/metrics` parses as Prometheus text and follows leadership; health follows
+//! etcd's reach; and a rolling restart of the coordinators, then of the workers, loses nothing
+//! and restarts only what outlives the drain timeout.
+//!
+//! The Python tools (kubernetes-validate, prometheus_client's parser) come from the venv that
+//! `make test` creates (`target/test-venv`, or `BATON_TEST_PYTHON`).
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use baton::devcluster::{free_port, Mode};
+use serde_json::Value;
+use support::*;
+
+const LONG: Duration = Duration::from_secs(60);
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+fn python() -> PathBuf {
+    let p = std::env::var_os("BATON_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(ROOT).join("target/test-venv/bin/python"));
+    assert!(
+        p.exists(),
+        "{} is missing: run `make pydeps` (or `make test`), which creates target/test-venv with \
+         tests/tools/requirements.txt, or point BATON_TEST_PYTHON at a python that has them",
+        p.display()
+    );
+    p
+}
+
+fn tool(script: &str, args: &[&str]) -> (bool, String) {
+    let out = Command::new(python())
+        .arg(Path::new(ROOT).join("tests/tools").join(script))
+        .args(args)
+        .output()
+        .expect("running the test's python");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// `kubectl kustomize <dir>` written to a file in `into`.
+fn render(dir: &str, into: &Path) -> PathBuf {
+    let out = Command::new("kubectl")
+        .args(["kustomize", &format!("{ROOT}/{dir}")])
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot run kubectl ({e}): install it (./scripts/install-deps does: Debian's \
+                 kubernetes-client; kubectl 1.21 or newer, for kustomize 4+), or see \
+                 https://kubernetes.io/docs/tasks/tools/"
+            )
+        });
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {dir} failed (kubectl 1.21 or newer is needed): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let file = into.join(format!("{}.yaml", dir.replace('/', "_")));
+    std::fs::write(&file, &out.stdout).unwrap();
+    file
+}
+
+fn objects(file: &Path) -> Vec<Value> {
+    let (ok, text) = tool("k8s.py", &["json", file.to_str().unwrap()]);
+    assert!(ok, "{text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+fn find<'a>(objs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objs.iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind}/{name} in the rendered manifests"))
+}
+
+fn container(workload: &Value) -> &Value {
+    &workload["spec"]["template"]["spec"]["containers"][0]
+}
+
+fn env_of(c: &Value, name: &str) -> Option<String> {
+    c["env"]
+        .as_array()?
+        .iter()
+        .find(|e| e["name"] == name)
+        .and_then(|e| e["value"].as_str().map(String::from))
+}
+
+#[test]
+fn the_manifests_render_and_validate_against_the_kubernetes_schemas() {
+    let tmp = tempfile::tempdir().unwrap();
+    for dir in ["deploy/kubernetes", "deploy/kubernetes/external-etcd"] {
+        let file = render(dir, tmp.path());
+        let (ok, report) = tool("k8s.py", &["validate", file.to_str().unwrap()]);
+        println!("{dir}:\n{report}");
+        assert!(ok, "{dir} does not validate:\n{report}");
+        let objs = objects(&file);
+        let with_etcd = dir == "deploy/kubernetes";
+        let has_etcd = objs
+            .iter()
+            .any(|o| o["metadata"]["name"] == "baton-etcd" && o["kind"] == "StatefulSet");
+        assert_eq!(has_etcd, with_etcd, "{dir}: etcd StatefulSet");
+        for (kind, name) in [
+            ("StatefulSet", "baton"),
+            ("Deployment", "baton-worker"),
+            ("Service", "baton"),
+            ("Service", "baton-api"),
+            ("PodDisruptionBudget", "baton"),
+            ("NetworkPolicy", "baton-coordinators"),
+            ("NetworkPolicy", "baton-workers"),
+            ("ConfigMap", "baton-config"),
+        ] {
+            find(&objs, kind, name);
+        }
+        let coord = find(&objs, "StatefulSet", "baton");
+        assert_eq!(coord["spec"]["replicas"], 3);
+        let args = container(coord)["args"].as_array().unwrap();
+        assert_eq!(args[0], "serve");
+        assert!(args.iter().any(|a| a == "--worker=false"), "{args:?}");
+        // Workers get longer than their drain to leave, or Kubernetes SIGKILLs them mid-drain.
+        let worker = find(&objs, "Deployment", "baton-worker");
+        let grace = worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            .as_u64()
+            .unwrap();
+        let drain = humantime::parse_duration(
+            &env_of(container(worker), "BATON_DRAIN_TIMEOUT").expect("workers set a drain"),
+        )
+        .unwrap();
+        assert!(
+            Duration::from_secs(grace) > drain + Duration::from_secs(10),
+            "grace {grace}s vs drain {drain:?}"
+        );
+        for w in [coord, worker] {
+            let pod = &w["spec"]["template"]["spec"];
+            let c = container(w);
+            assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+            assert_eq!(
+                pod["securityContext"]["seccompProfile"]["type"],
+                "RuntimeDefault"
+            );
+            let sc = &c["securityContext"];
+            assert_eq!(sc["readOnlyRootFilesystem"], true);
+            assert_eq!(sc["allowPrivilegeEscalation"], false);
+            assert_eq!(sc["capabilities"]["drop"][0], "ALL");
+            assert!(c["resources"]["limits"]["memory"].is_string());
+            assert_eq!(c["livenessProbe"]["grpc"]["service"], "liveness");
+            assert!(c["readinessProbe"]["grpc"]["port"].is_number());
+            // The one folder Baton writes is a mounted volume.
+            let storage = env_of(c, "BATON_STORAGE_DIR").unwrap();
+            assert!(
+                c["volumeMounts"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|m| m["mountPath"] == storage.as_str()),
+                "{storage} is not mounted"
+            );
+        }
+    }
+    let (ok, report) = tool(
+        "k8s.py",
+        &[
+            "validate",
+            &format!("{ROOT}/deploy/kubernetes/examples/worker-hpa.yaml"),
+        ],
+    );
+    assert!(ok, "{report}");
+}
+
+#[test]
+fn every_flag_and_variable_in_the_manifests_exists_in_its_commands_help() {
+    let tmp = tempfile::tempdir().unwrap();
+    let objs = objects(&render("deploy/kubernetes", tmp.path()));
+    let config = &find(&objs, "ConfigMap", "baton-config")["data"];
+    let mut checked = 0;
+    for (kind, name) in [("StatefulSet", "baton"), ("Deployment", "baton-worker")] {
+        let c = container(find(&objs, kind, name));
+        let args: Vec<&str> = c["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        let help = Command::new(BIN)
+            .args([args[0], "--help"])
+            .output()
+            .unwrap();
+        assert!(help.status.success());
+        let help = String::from_utf8_lossy(&help.stdout).into_owned();
+        for a in &args[1..] {
+            let flag = a.split('=').next().unwrap();
+            assert!(
+                help.contains(&format!("{flag} "))
+                    || help.contains(&format!("{flag}="))
+                    || help.contains(&format!("{flag} <")),
+                "{name}: {flag} is not a flag of `baton {}`",
+                args[0]
+            );
+            checked += 1;
+        }
+        let mut vars: Vec<String> = c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["name"].as_str().unwrap().to_string())
+            .collect();
+        vars.extend(config.as_object().unwrap().keys().cloned());
+        for v in vars.iter().filter(|v| v.starts_with("BATON_")) {
+            assert!(
+                help.contains(&format!("[env: {v}=")),
+                "{name}: {v} is not a variable of `baton {}`",
+                args[0]
+            );
+            checked += 1;
+        }
+    }
+    println!("{checked} flags and variables found in --help");
+    assert!(checked > 15, "{checked}");
+}
+
+/// A process that is SIGKILLed when the test ends, however it ends.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `baton` as the image does (uid 65532 when the test runs as root, from `/`, with
+/// only `scratch` writable), with a workload's args, variables and ConfigMap, loopback
+/// addresses in place of the pod's, and the test's etcd.
+fn start_as_image(
+    bin: &Path,
+    workload: &Value,
+    config: &Value,
+    pod: &str,
+    overrides: &[(&str, String)],
+    log: &Path,
+) -> Proc {
+    let c = container(workload);
+    let args: Vec<String> = c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect();
+    let mut env: BTreeMap<String, String> = config
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
+        .collect();
+    for e in c["env"].as_array().unwrap() {
+        let value = match (
+            &e["value"],
+            e["valueFrom"]["fieldRef"]["fieldPath"].as_str(),
+        ) {
+            (Value::String(v), _) => v
+                .replace("$(POD_NAME)", pod)
+                .replace("$(POD_IP)", "127.0.0.1"),
+            (_, Some("metadata.name")) => pod.to_string(),
+            (_, Some("status.podIP")) => "127.0.0.1".to_string(),
+            other => panic!("unexpected variable source {other:?}"),
+        };
+        env.insert(e["name"].as_str().unwrap().to_string(), value);
+    }
+    for (k, v) in overrides {
+        env.insert(k.to_string(), v.clone());
+    }
+    let mut cmd = Command::new(bin);
+    cmd.args(&args)
+        .env_clear()
+        .envs(&env)
+        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(log).unwrap())
+        .stderr(std::fs::File::create(log.with_extension("err")).unwrap());
+    if nix::unistd::geteuid().is_root() {
+        cmd.uid(65532).gid(65532);
+    }
+    Proc(cmd.spawn().unwrap())
+}
+
+async fn health_of(addr: SocketAddr, service: &str) -> Option<i32> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .ok()?;
+    let mut h = tonic_health::pb::health_client::HealthClient::new(ch);
+    h.check(tonic_health::pb::HealthCheckRequest {
+        service: service.into(),
+    })
+    .await
+    .ok()
+    .map(|r| r.into_inner().status)
+}
+
+const SERVING: i32 = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+const NOT_SERVING: i32 = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worker() {
+    let tmp = tempfile::Builder::new()
+        .prefix("baton-image-")
+        .tempdir()
+        .unwrap();
+    let objs = objects(&render("deploy/kubernetes", tmp.path()));
+    let etcd = start_etcd(&tmp.path().join("etcd"), 1);
+    // What the image holds: the binary, readable and executable by anyone.
+    let bin_dir = tmp.path().join("image");
+    std::fs::create_dir(&bin_dir).unwrap();
+    let bin = bin_dir.join("baton");
+    std::fs::copy(BIN, &bin).unwrap();
+    for (p, mode) in [
+        (tmp.path(), 0o755),
+        (bin_dir.as_path(), 0o755),
+        (bin.as_path(), 0o755),
+    ] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    let root = nix::unistd::geteuid().is_root();
+    // What Kubernetes mounts: an emptyDir per pod at BATON_STORAGE_DIR, owned by the pod's user.
+    let scratch = |pod: &str| {
+        let d = tmp.path().join("volumes").join(pod);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::set_permissions(
+            tmp.path().join("volumes"),
+            std::fs::Permissions::from_mode(0o755),
+        )
+        .unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+        if root {
+            std::os::unix::fs::chown(&d, Some(65532), Some(65532)).unwrap();
+        }
+        d.display().to_string()
+    };
+    let config = &find(&objs, "ConfigMap", "baton-config")["data"];
+    let coord = find(&objs, "StatefulSet", "baton");
+    let worker = find(&objs, "Deployment", "baton-worker");
+    let endpoints = etcd.endpoints().join(",");
+    let mut procs = Vec::new();
+    let mut api = Vec::new();
+    for i in 0..3 {
+        let pod = format!("baton-{i}");
+        let listen: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+        api.push(listen);
+        procs.push(start_as_image(
+            &bin,
+            coord,
+            config,
+            &pod,
+            &[
+                ("BATON_ETCD_ENDPOINTS", endpoints.clone()),
+                ("BATON_LISTEN", listen.to_string()),
+                ("BATON_ADVERTISE", listen.to_string()),
+                ("BATON_METRICS_LISTEN", format!("127.0.0.1:{}", free_port())),
+                ("BATON_STORAGE_DIR", scratch(&pod)),
+            ],
+            &tmp.path().join(format!("{pod}.log")),
+        ));
+    }
+    let worker_listen: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    procs.push(start_as_image(
+        &bin,
+        worker,
+        config,
+        "baton-worker-7d4f9-x2x8q",
+        &[
+            ("BATON_ETCD_ENDPOINTS", endpoints.clone()),
+            ("BATON_LISTEN", worker_listen.to_string()),
+            ("BATON_ADVERTISE", worker_listen.to_string()),
+            ("BATON_METRICS_LISTEN", format!("127.0.0.1:{}", free_port())),
+            ("BATON_STORAGE_DIR", scratch("baton-worker-7d4f9-x2x8q")),
+        ],
+        &tmp.path().join("worker.log"),
+    ));
+    let logs = || {
+        let mut s = String::new();
+        for f in std::fs::read_dir(tmp.path()).unwrap().flatten() {
+            if f.path().extension().is_some_and(|e| e == "err") {
+                s += &std::fs::read_to_string(f.path()).unwrap_or_default();
+            }
+        }
+        s
+    };
+    for addr in api.iter().chain([&worker_listen]) {
+        for service in ["", "liveness"] {
+            let addr = *addr;
+            wait_for(
+                &format!("{addr} to serve health {service:?}"),
+                LONG,
+                || async move { (health_of(addr, service).await == Some(SERVING)).then_some(()) },
+            )
+            .await;
+        }
+    }
+    for (i, p) in procs.iter_mut().enumerate() {
+        assert!(
+            p.0.try_wait().unwrap().is_none(),
+            "process {i} exited: {}",
+            logs()
+        );
+    }
+    let leader = wait_for("a leader", LONG, || async {
+        for a in &api {
+            if let Ok(r) = get_leader_at(*a).await {
+                return r.leader;
+            }
+        }
+        None
+    })
+    .await;
+    assert!(leader.replica_id.starts_with("baton-"), "{leader:?}");
+    // A job runs on the worker: its folder lives in the worker's scratch volume.
+    let mut jobs = jobs_at(api[1]).await;
+    jobs.submit_job(baton::proto::SubmitJobRequest {
+        job_id: "image-job".into(),
+        spec: Some(sh("echo written as $(id -u) > \"$BATON_JOB_DIR/out\"; \
+             while [ ! -e \"$BATON_JOB_DIR/done\" ]; do sleep 0.1; done")),
+    })
+    .await
+    .unwrap();
+    // Read while it runs: once it has a result, cleanup removes its folder.
+    let job_dir = tmp
+        .path()
+        .join("volumes/baton-worker-7d4f9-x2x8q/jobs/image-job");
+    wait_until("the job to write its file", LONG, || {
+        job_dir.join("out").exists()
+    })
+    .await;
+    let written = std::fs::read_to_string(job_dir.join("out")).unwrap_or_default();
+    let uid = if root {
+        65532
+    } else {
+        nix::unistd::geteuid().as_raw()
+    };
+    assert_eq!(written.trim(), format!("written as {uid}"), "{}", logs());
+    std::fs::write(job_dir.join("done"), "").unwrap();
+    let j = wait_for("the job to finish", LONG, || async {
+        let j = jobs_at(api[2])
+            .await
+            .get_job(baton::proto::GetJobRequest {
+                job_id: "image-job".into(),
+            })
+            .await
+            .ok()?
+            .into_inner();
+        terminal(&j).then_some(j)
+    })
+    .await;
+    assert_eq!(state(&j), JobState::Finished, "{j:?}\n{}", logs());
+    println!(
+        "3 coordinators and a worker as uid {uid} from /: leader {}",
+        leader.replica_id
+    );
+}
+
+/// `/metrics` of `addr`, parsed by prometheus_client's parser.
+fn scrape(addr: SocketAddr) -> BTreeMap<String, f64> {
+    let (ok, text) = tool("prom.py", &[&format!("http://{addr}/metrics")]);
+    assert!(ok, "/metrics of {addr} does not parse: {text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Scrapes in a blocking thread (the parser is a child process).
+async fn scrape_async(addr: SocketAddr) -> BTreeMap<String, f64> {
+    tokio::task::spawn_blocking(move || scrape(addr))
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_parse_as_prometheus_text_and_follow_leadership() {
+    let mut c = Cluster::start(Options {
+        metrics: true,
+        ..Options::default()
+    });
+    let (leader, info) = c.leader_index().await;
+    for (i, addr) in c.replica_metrics.clone().into_iter().enumerate() {
+        let want = if i == leader { 1.0 } else { 0.0 };
+        let m = wait_for(
+            &format!("replica {i}'s is-leader to be {want}"),
+            LONG,
+            || async {
+                let m = scrape_async(addr).await;
+                (m.get("baton_is_leader{}") == Some(&want)
+                    && m.get("baton_term{}") == Some(&(info.term as f64)))
+                .then_some(m)
+            },
+        )
+        .await;
+        for family in [
+            "baton_leader_changes_total{}",
+            "baton_lease_keepalive_age_seconds{lease=election}",
+            "baton_lease_margin_left_seconds{lease=election}",
+            "baton_lease_keepalive_age_seconds{lease=worker}",
+            "baton_jobs{state=pending}",
+            "baton_jobs{state=running}",
+            "baton_workers{state=live}",
+            "baton_workers{state=draining}",
+            "baton_cleanups_pending{}",
+            "baton_cleanups_needing_operator{}",
+            "baton_cleanup_failures_total{}",
+            "baton_corrupt_values_total{}",
+            "baton_submit_duration_seconds_count{}",
+            "baton_job_restarts_total{cause=worker_lost}",
+            "baton_job_restarts_total{cause=failed_attempt}",
+            &format!("baton_worker_capacity{{worker=r{}}}", i + 1),
+            &format!("baton_worker_running_executions{{worker=r{}}}", i + 1),
+        ] {
+            assert!(m.contains_key(family), "replica {i}: no {family} in {m:?}");
+        }
+        let age = m["baton_lease_keepalive_age_seconds{lease=election}"];
+        assert!((0.0..2.0).contains(&age), "keepalive age {age}");
+        assert!(m["baton_lease_margin_left_seconds{lease=election}"] > 0.0);
+    }
+    // The leader counts its workers; submissions and etcd requests are timed.
+    c.submit(leader, "m1", sh("sleep 30")).await;
+    let addr = c.replica_metrics[leader];
+    wait_for(
+        "the leader to count a running job and 3 workers",
+        LONG,
+        || async {
+            let m = scrape_async(addr).await;
+            (m.get("baton_jobs{state=running}") == Some(&1.0)
+                && m.get("baton_workers{state=live}") == Some(&3.0)
+                && m.get("baton_submit_duration_seconds_count{}") == Some(&1.0)
+                && m.get("baton_etcd_request_duration_seconds_count{op=submit}") >= Some(&1.0))
+            .then_some(())
+        },
+    )
+    .await;
+    // A SIGKILLed leader: the others count a leader change; the new one leads in a higher term.
+    c.replicas[leader].sigkill();
+    let (next, next_info) = c.wait_new_leader(&c.others(leader), info.term).await;
+    for i in c.others(leader) {
+        let addr = c.replica_metrics[i];
+        let want = if i == next { 1.0 } else { 0.0 };
+        wait_for(
+            &format!("replica {i} to count the leader change"),
+            LONG,
+            || async {
+                let m = scrape_async(addr).await;
+                (m.get("baton_leader_changes_total{}") >= Some(&1.0)
+                    && m.get("baton_is_leader{}") == Some(&want)
+                    && m.get("baton_term{}") == Some(&(next_info.term as f64)))
+                .then_some(())
+            },
+        )
+        .await;
+    }
+    println!(
+        "metrics: leader {} (term {}) killed; replica {} leads term {}",
+        info.replica_id, info.term, next_info.replica_id, next_info.term
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_not_serving_while_cut_off_from_etcd_and_liveness_stays_serving() {
+    let c = Cluster::start(Options {
+        replicas: 1,
+        proxied: true,
+        ..worker_opts(1, &[])
+    });
+    c.leader_index().await;
+    c.wait_workers(&["w1"]).await;
+    let targets = [
+        ("replica", c.replicas[0].listen(), &c.proxies[0]),
+        ("worker", c.workers[0].listen(), &c.worker_proxies[0]),
+    ];
+    for (what, addr, proxy) in targets {
+        for s in ["", "liveness"] {
+            assert_eq!(health_of(addr, s).await, Some(SERVING), "{what} {s:?}");
+        }
+        proxy.set_mode(Mode::Blackhole);
+        let cut = Instant::now();
+        wait_for(
+            &format!("the {what} to report NOT_SERVING"),
+            LONG,
+            || async { (health_of(addr, "").await == Some(NOT_SERVING)).then_some(()) },
+        )
+        .await;
+        let took = cut.elapsed();
+        assert_eq!(health_of(addr, "liveness").await, Some(SERVING), "{what}");
+        proxy.set_mode(Mode::Pass);
+        wait_for(
+            &format!("the {what} to report SERVING again"),
+            LONG,
+            || async { (health_of(addr, "").await == Some(SERVING)).then_some(()) },
+        )
+        .await;
+        println!("{what}: NOT_SERVING {} ms after the cut", ms(took));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_the_coordinators_then_the_workers_loses_nothing_and_restarts_only_long_jobs() {
+    let mut c = Cluster::start(worker_opts(2, &["--drain-timeout", "3s"]));
+    c.leader_index().await;
+    c.wait_workers(&["w1", "w2"]).await;
+    let out = scratch(&c);
+    // 20 running jobs: 10 end before the workers roll, 10 outlive any drain.
+    let short: Vec<String> = (0..10).map(|i| format!("short-{i}")).collect();
+    let long: Vec<String> = (0..10).map(|i| format!("long-{i}")).collect();
+    for (i, id) in short.iter().enumerate() {
+        c.submit(i % 3, id, gated(&out, "short-done")).await;
+    }
+    for (i, id) in long.iter().enumerate() {
+        c.submit(i % 3, id, gated(&out, "long-done")).await;
+    }
+    for id in short.iter().chain(&long) {
+        wait_until("the 20 jobs to start", LONG, || runs(&out, id) == 1).await;
+    }
+    let mut brief_ids: Vec<String> = Vec::new();
+    // Coordinators, one after another; submissions go on through the others.
+    for k in 0..3 {
+        c.replicas[k].sigterm();
+        let t = Instant::now();
+        while c.replicas[k].try_exit().is_none() {
+            assert!(t.elapsed() < LONG, "replica {k} did not hand over");
+            submit_brief(&c, (k + 1) % 3, &out, &mut brief_ids).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        c.replicas[k].restart().unwrap();
+        for _ in 0..3 {
+            submit_brief(&c, (k + 2) % 3, &out, &mut brief_ids).await;
+        }
+        c.leader_index().await;
+    }
+    for id in short.iter().chain(&long) {
+        assert_eq!(
+            runs(&out, id),
+            1,
+            "{id}: the coordinators' roll restarted it"
+        );
+        let j = c.wait_job(&[0, 1, 2], id, LONG, "read", |_| true).await;
+        assert_eq!(state(&j), JobState::Running, "{id}: {j:?}");
+    }
+    println!("coordinators rolled: 20 jobs, 0 restarts");
+    std::fs::write(out.join("short-done"), "").unwrap();
+    for id in &short {
+        c.wait_job(&[0, 1, 2], id, LONG, "finished", terminal).await;
+    }
+    // Workers, one after another: what outlives the 3 s drain moves, nothing else.
+    for w in 0..2 {
+        c.workers[w].sigterm();
+        let t = Instant::now();
+        while c.workers[w].try_exit().is_none() {
+            assert!(t.elapsed() < LONG, "w{} did not drain", w + 1);
+            submit_brief(&c, w, &out, &mut brief_ids).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        c.workers[w].restart().unwrap();
+        c.wait_workers(&["w1", "w2"]).await;
+    }
+    std::fs::write(out.join("long-done"), "").unwrap();
+    let mut moved = 0;
+    for id in short.iter().chain(&long).chain(&brief_ids) {
+        let j = c.wait_job(&[0, 1, 2], id, LONG, "terminal", terminal).await;
+        assert_eq!(state(&j), JobState::Finished, "{id}: {j:?}");
+        assert_eq!(j.recoveries, 0, "{id}: no worker was lost: {j:?}");
+        assert_eq!(runs(&out, id), 1 + j.preemptions as usize, "{id}: {j:?}");
+        if id.starts_with("long-") {
+            assert!(j.preemptions >= 1, "{id} outlived a drain: {j:?}");
+            moved += j.preemptions;
+        } else {
+            assert_eq!(j.preemptions, 0, "{id} ended within the drain: {j:?}");
+        }
+    }
+    println!(
+        "workers rolled: {} jobs in all, {moved} preemptions, all of the 10 long jobs, 0 recoveries",
+        20 + brief_ids.len()
+    );
+}
+
+/// A job of 0.3 s (`brief-<n>`), submitted through replica `via`.
+async fn submit_brief(c: &Cluster, via: usize, out: &Path, ids: &mut Vec<String>) {
+    let id = format!("brief-{}", ids.len());
+    c.submit(via, &id, brief(out, 0.3)).await;
+    ids.push(id);
+}
