@@ -186,7 +186,7 @@ impl Metrics {
             ),
             cleanups_pending: gauge(
                 "baton_cleanups_pending",
-                "Dirty results the leader is cleaning or will retry (0 elsewhere).",
+                "Dirty results not clean yet, as the leader knows them: being cleaned, waiting for a retry, or needing an operator (0 elsewhere).",
             ),
             cleanups_needing_operator: gauge(
                 "baton_cleanups_needing_operator",

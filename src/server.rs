@@ -47,6 +47,8 @@ pub enum Error {
 
 pub async fn run(args: ServeArgs) -> Result<(), Error> {
     args.validate()?;
+    // Before etcd is reached, so a process stuck waiting for it can be seen.
+    serve_metrics(args.metrics_listen).await?;
     let replica_id = args.replica_id();
     let Opened {
         keys,
@@ -55,7 +57,6 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         guard_bin,
         listener,
     } = open(&args.etcd, &args.cluster, &args.run, args.listen).await?;
-    serve_metrics(args.metrics_listen).await?;
 
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone())?;
@@ -260,6 +261,7 @@ fn guard_settings(run: &RunArgs, guard_bin: std::path::PathBuf, margin: Duration
 /// `--drain-timeout`, the rest are preempted), revokes its lease and returns.
 pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
     args.validate()?;
+    serve_metrics(args.metrics_listen).await?;
     let Opened {
         keys,
         store,
@@ -267,7 +269,6 @@ pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
         guard_bin,
         listener,
     } = open(&args.etcd, &args.cluster, &args.run, args.listen).await?;
-    serve_metrics(args.metrics_listen).await?;
     let worker_id = args.worker_id();
     let advertise = args.advertise();
     let guard = guard_settings(&args.run, guard_bin, args.margin());

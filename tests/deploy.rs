@@ -81,9 +81,14 @@ fn objects(file: &Path) -> Vec<Value> {
     serde_json::from_str(&text).unwrap()
 }
 
+/// The object `kind/name`; generated ConfigMaps match by name and their hash suffix.
 fn find<'a>(objs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    let named = |o: &Value| {
+        let n = o["metadata"]["name"].as_str().unwrap_or_default();
+        n == name || (kind == "ConfigMap" && n.starts_with(&format!("{name}-")))
+    };
     objs.iter()
-        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .find(|o| o["kind"] == kind && named(o))
         .unwrap_or_else(|| panic!("no {kind}/{name} in the rendered manifests"))
 }
 
@@ -272,8 +277,10 @@ fn start_as_image(
         ) {
             (Value::String(v), _) => v
                 .replace("$(POD_NAME)", pod)
+                .replace("$(POD_NAMESPACE)", "default")
                 .replace("$(POD_IP)", "127.0.0.1"),
             (_, Some("metadata.name")) => pod.to_string(),
+            (_, Some("metadata.namespace")) => "default".to_string(),
             (_, Some("status.podIP")) => "127.0.0.1".to_string(),
             other => panic!("unexpected variable source {other:?}"),
         };
@@ -444,7 +451,7 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
         .path()
         .join("volumes/baton-worker-7d4f9-x2x8q/jobs/image-job");
     wait_until("the job to write its file", LONG, || {
-        job_dir.join("out").exists()
+        std::fs::read_to_string(job_dir.join("out")).is_ok_and(|s| s.ends_with('\n'))
     })
     .await;
     let written = std::fs::read_to_string(job_dir.join("out")).unwrap_or_default();
@@ -576,7 +583,7 @@ async fn metrics_parse_as_prometheus_text_and_follow_leadership() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_is_not_serving_while_cut_off_from_etcd_and_liveness_stays_serving() {
-    let c = Cluster::start(Options {
+    let mut c = Cluster::start(Options {
         replicas: 1,
         proxied: true,
         ..worker_opts(1, &[])
@@ -600,6 +607,8 @@ async fn health_is_not_serving_while_cut_off_from_etcd_and_liveness_stays_servin
         )
         .await;
         let took = cut.elapsed();
+        // 3 s without an answer plus a probe's 2 s bound, with room for a loaded machine.
+        assert!(took < Duration::from_secs(15), "{what}: {took:?}");
         assert_eq!(health_of(addr, "liveness").await, Some(SERVING), "{what}");
         proxy.set_mode(Mode::Pass);
         wait_for(
@@ -610,6 +619,23 @@ async fn health_is_not_serving_while_cut_off_from_etcd_and_liveness_stays_servin
         .await;
         println!("{what}: NOT_SERVING {} ms after the cut", ms(took));
     }
+    // A draining worker is not ready, though etcd answers, and stays live until it exits.
+    let out = scratch(&c);
+    c.submit(0, "held", gated(&out, "go")).await;
+    wait_until("the job to start", LONG, || runs(&out, "held") == 1).await;
+    let addr = c.workers[0].listen();
+    c.workers[0].sigterm();
+    wait_for(
+        "the draining worker to report NOT_SERVING",
+        LONG,
+        || async { (health_of(addr, "").await == Some(NOT_SERVING)).then_some(()) },
+    )
+    .await;
+    assert_eq!(health_of(addr, "liveness").await, Some(SERVING));
+    assert!(c.workers[0].try_exit().is_none(), "the drain lasts 60s");
+    std::fs::write(out.join("go"), "").unwrap();
+    let status = c.workers[0].wait_exit(LONG);
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,11 +2,12 @@
 //! - service [`LIVENESS`]: SERVING for as long as the process answers at all, a drain included,
 //!   so an orchestrator never kills a process that is handing over;
 //! - service `""` and each `baton.v1` service (readiness): SERVING while the process reaches etcd
-//!   (a linearizable read answered, checked every second) and is not shutting down. A follower
-//!   is ready: it serves reads and submissions. A process cut off from etcd turns NOT_SERVING
-//!   within the etcd timeout and SERVING again once etcd answers.
+//!   (a linearizable read, probed every second, answered within the last 3 s) and is not
+//!   shutting down. A follower is ready: it serves reads and submissions. A process cut off
+//!   from etcd turns NOT_SERVING about 5 s later (3 s without an answer, plus a probe's 2 s
+//!   bound) and SERVING again at the first answer; after SIGTERM it stays NOT_SERVING.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 use tonic_health::server::HealthReporter;
@@ -18,6 +19,10 @@ use crate::store::Store;
 pub const LIVENESS: &str = "liveness";
 
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// Bound on one probe.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Not ready once no probe has been answered for this long.
+const UNREADY_AFTER: Duration = Duration::from_secs(3);
 
 /// Starts reporting: liveness at once, readiness (`""` and `services`) from etcd probes until
 /// `draining` fires, then NOT_SERVING for good.
@@ -38,6 +43,7 @@ pub async fn report(
         let mut tick = tokio::time::interval(PROBE_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut ready = true;
+        let mut last_answer = Instant::now();
         loop {
             let reached = tokio::select! {
                 _ = draining.cancelled() => break,
@@ -46,15 +52,21 @@ pub async fn report(
                     r = reachable(&store, &probe_key) => r,
                 },
             };
-            if reached != ready {
-                if reached {
+            if reached {
+                last_answer = Instant::now();
+            }
+            // One answer proves reach; only a run of failures lasting UNREADY_AFTER disproves
+            // it, so a member without a leader answering some probes does not flap readiness.
+            let now_ready = reached || last_answer.elapsed() < UNREADY_AFTER;
+            if now_ready != ready {
+                if now_ready {
                     tracing::info!("etcd answers again: ready");
                     readiness.set(ServingStatus::Serving).await;
                 } else {
-                    tracing::warn!("etcd does not answer: not ready");
+                    tracing::warn!(since = ?last_answer.elapsed(), "etcd has not answered: not ready");
                     readiness.set(ServingStatus::NotServing).await;
                 }
-                ready = reached;
+                ready = now_ready;
             }
         }
         readiness.set(ServingStatus::NotServing).await;
@@ -78,5 +90,6 @@ impl Readiness {
 async fn reachable(store: &Store, key: &str) -> bool {
     let mut c = store.client();
     let probe = c.get(key, Some(etcd_client::GetOptions::new().with_count_only()));
-    store.timed("health probe", probe).await.is_ok()
+    let answered = tokio::time::timeout(PROBE_TIMEOUT, store.timed("health probe", probe)).await;
+    matches!(answered, Ok(Ok(_)))
 }

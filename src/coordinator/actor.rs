@@ -95,6 +95,7 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
         }
         // Slots also free up without an event (a distrusted worker's time runs out).
         let mut sweep = tokio::time::interval(Duration::from_secs(1));
+        let mut sweeps: u64 = 0;
         loop {
             let next_timer = actor.timers.keys().next().copied();
             let sleep = records::sleep_until_ms(next_timer);
@@ -134,7 +135,11 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
                 _ = sleep => actor.fire_timers(),
                 _ = sweep.tick() => {
                     actor.fill_slots();
-                    actor.report();
+                    // O(jobs): every 5th second, so 100,000 jobs cost the actor ~1 ms/s.
+                    if sweeps % 5 == 0 {
+                        actor.report();
+                    }
+                    sweeps += 1;
                 }
                 _ = sleep_until_opt(budget), if budget.is_some() => actor.fill_slots(),
             }
@@ -378,17 +383,22 @@ impl Actor {
     /// Publishes the registry's states and the fleet as this term knows them.
     fn report(&self) {
         let m = metrics::get();
-        let pending: HashSet<&String> = self
-            .waiting
+        // Waiting jobs are neither assigned nor in flight; a timer or a transition of a job
+        // not assigned is a PENDING job's backoff or look (an id with both counts once).
+        let later = self
+            .timers
+            .values()
+            .flatten()
+            .filter(|id| !self.assigned.contains_key(*id) && !self.inflight.contains(*id))
+            .count();
+        let looked_at = self
+            .inflight
             .iter()
-            .map(|(_, id)| id)
-            .chain(self.timers.values().flatten())
-            .chain(self.inflight.iter())
             .filter(|id| !self.assigned.contains_key(*id))
-            .collect();
+            .count();
         m.jobs
             .with_label_values(&["pending"])
-            .set(pending.len() as i64);
+            .set((self.waiting.len() + later + looked_at) as i64);
         m.jobs
             .with_label_values(&["running"])
             .set(self.assigned.len() as i64);

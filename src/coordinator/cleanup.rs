@@ -169,10 +169,13 @@ pub async fn run(ctx: Arc<Ctx>, writer: Writer) {
                 }
                 _ = retention.tick() => expire_clean(&ctx, &writer).await,
                 _ = report.tick() => {
-                    let waiting: usize = timers.values().map(HashSet::len).sum();
+                    let pending: HashSet<&String> = inflight
+                        .iter()
+                        .chain(timers.values().flatten())
+                        .chain(needs_operator.iter())
+                        .collect();
                     let m = metrics::get();
-                    m.cleanups_pending
-                        .set((inflight.len() + waiting + needs_operator.len()) as i64);
+                    m.cleanups_pending.set(pending.len() as i64);
                     m.cleanups_needing_operator.set(needs_operator.len() as i64);
                 }
             }
@@ -283,6 +286,7 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
             .take()
             .or(result.cleanup.assigned.clone());
         let mut compares = Vec::new();
+        let mut failed = false;
         let p = &mut next.cleanup;
         match outcome {
             Step::Assigned => continue,
@@ -310,7 +314,7 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
                 }
             }
             Step::Failed(e) => {
-                metrics::get().cleanup_failures.inc();
+                failed = true;
                 p.retries = 0;
                 p.attempts += 1;
                 p.last_error = Some(e.clone());
@@ -332,6 +336,10 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
             .is_err()
         {
             return Next::At(records::now_ms() + 500);
+        }
+        // Counted once it is recorded: an unrecorded failure is read and met again.
+        if failed {
+            metrics::get().cleanup_failures.inc();
         }
     }
 }
