@@ -35,8 +35,12 @@ $(VENV)/.installed: tests/tools/requirements.txt
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r tests/tools/requirements.txt
 	touch $@
 
+# The image check (tests/deploy.rs) starts the release binary, as the image ships it.
 test: lint pydeps
-	BATON_TEST_PYTHON=$(abspath $(VENV))/bin/python $(CARGO) test -- --test-threads=$(TEST_THREADS)
+	$(CARGO) build --release --bin baton
+	BATON_TEST_PYTHON=$(abspath $(VENV))/bin/python \
+	BATON_TEST_RELEASE_BIN=$(abspath target/release/baton) \
+	$(CARGO) test -- --test-threads=$(TEST_THREADS)
 
 soak: build
 	./target/debug/baton drill --etcd-members 3 --shuffle --duration $(SOAK_DURATION) \

@@ -332,11 +332,14 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
         .unwrap();
     let objs = objects(&render("deploy/kubernetes", tmp.path()));
     let etcd = start_etcd(&tmp.path().join("etcd"), 1);
-    // What the image holds: the binary, readable and executable by anyone.
+    // What the image holds: the release binary (`make test` builds it; the test's own build
+    // otherwise), readable and executable by anyone.
     let bin_dir = tmp.path().join("image");
     std::fs::create_dir(&bin_dir).unwrap();
     let bin = bin_dir.join("baton");
-    std::fs::copy(BIN, &bin).unwrap();
+    let source = std::env::var("BATON_TEST_RELEASE_BIN").unwrap_or_else(|_| BIN.to_string());
+    println!("image binary: {source}");
+    std::fs::copy(&source, &bin).unwrap();
     for (p, mode) in [
         (tmp.path(), 0o755),
         (bin_dir.as_path(), 0o755),
