@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use etcd_client::{EventType, WatchOptions};
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
@@ -43,6 +44,7 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
         timers: BTreeMap::new(),
         tasks: JoinSet::new(),
         task_jobs: HashMap::new(),
+        limit: Arc::new(Semaphore::new(TRANSITIONS_AT_ONCE)),
     };
     'resync: loop {
         let (rev, ids, dirty, workers) = tokio::select! {
@@ -173,6 +175,21 @@ struct Actor {
     tasks: JoinSet<(String, Option<Pick>, Outcome)>,
     /// Which job (and which reserved slot) each transition task is for.
     task_jobs: HashMap<tokio::task::Id, (String, Option<Pick>)>,
+    /// Transitions talking to etcd at once: a lost worker with hundreds of jobs, or a
+    /// recovery, queues its reads here instead of sending them all at once, which timed etcd
+    /// out and cost leases.
+    limit: Arc<Semaphore>,
+}
+
+/// See [`Actor::limit`].
+const TRANSITIONS_AT_ONCE: usize = 64;
+
+/// A random delay below `max_ms`.
+fn jitter_ms(max_ms: u64) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(records::now_ms());
+    h.finish() % max_ms.max(1)
 }
 
 impl Actor {
@@ -254,9 +271,13 @@ impl Actor {
         let fleet = self.fleet.clone();
         let job = id.clone();
         let p = pick.clone();
+        let limit = self.limit.clone();
         let handle = self.tasks.spawn(
             async move {
-                let outcome = transition(&ctx, &writer, &fleet, &job, p.clone()).await;
+                let outcome = match limit.acquire_owned().await {
+                    Ok(_permit) => transition(&ctx, &writer, &fleet, &job, p.clone()).await,
+                    Err(_) => Outcome::Retry,
+                };
                 (job, p, outcome)
             }
             .in_current_span(),
@@ -311,8 +332,10 @@ impl Actor {
                 self.timers.entry(at).or_default().insert(id.clone());
             }
             Outcome::Retry => {
+                // Spread out: jobs that failed together (etcd overloaded) must not come back
+                // together.
                 self.timers
-                    .entry(records::now_ms() + 500)
+                    .entry(records::now_ms() + 500 + jitter_ms(1000))
                     .or_default()
                     .insert(id.clone());
             }
