@@ -20,6 +20,7 @@ pub mod jobs;
 pub mod logging;
 pub mod metrics;
 pub mod rolelog;
+pub mod security;
 pub mod server;
 pub mod store;
 pub mod worker;

@@ -18,6 +18,7 @@ use crate::config::{EtcdArgs, RunArgs, WorkerArgs};
 use crate::coordinator::{self, CleanupConfig, CoordinatorConfig};
 use crate::election::{self, ElectionConfig, Role};
 use crate::exec::spawner::GuardSettings;
+use crate::security::Security;
 use crate::store::{self, Keys, Store};
 use crate::worker::{self, WorkerConfig, WorkerLogs};
 
@@ -41,12 +42,15 @@ pub enum Error {
     Storage(std::path::PathBuf, #[source] std::io::Error),
     #[error("the election task failed: {0}")]
     Crashed(String),
+    #[error("security settings: {0}")]
+    Security(String),
     #[error("cannot find the baton binary to run job guards")]
     GuardBinary(#[source] std::io::Error),
 }
 
 pub async fn run(args: ServeArgs) -> Result<(), Error> {
     args.validate()?;
+    let security = Security::load(&args.security).map_err(Error::Security)?;
     // Before etcd is reached, so a process stuck waiting for it can be seen.
     serve_metrics(args.metrics_listen).await?;
     let replica_id = args.replica_id();
@@ -135,12 +139,18 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
     let services = Services {
         store: store.clone(),
         probe_key: keys.prefix().to_string(),
-        jobs: JobApi::new(store.clone(), keys.clone(), replica_id.clone()),
+        jobs: JobApi::new(
+            store.clone(),
+            keys.clone(),
+            replica_id.clone(),
+            security.peer.clone(),
+        ),
         fleet: FleetApi::new(store.clone(), keys.clone(), replica_id.clone()),
         cluster: ClusterApi::new(store, keys, replica_id.clone(), role_rx, cmd_tx),
         worker: args
             .worker
             .then(|| WorkerLogs::new(replica_id.clone(), storage_dir)),
+        security,
     };
     let server = tokio::spawn(api::serve(
         listener,
@@ -183,7 +193,7 @@ async fn open(
     listen: std::net::SocketAddr,
 ) -> Result<Opened, Error> {
     let keys = Keys::new(cluster);
-    let store = Store::connect(etcd.etcd_config()).await?;
+    let store = Store::connect(etcd.etcd_config()?).await?;
     store
         .wait_reachable(keys.prefix(), etcd.startup_timeout)
         .await?;
@@ -261,6 +271,7 @@ fn guard_settings(run: &RunArgs, guard_bin: std::path::PathBuf, margin: Duration
 /// `--drain-timeout`, the rest are preempted), revokes its lease and returns.
 pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
     args.validate()?;
+    let security = Security::load(&args.security).map_err(Error::Security)?;
     serve_metrics(args.metrics_listen).await?;
     let Opened {
         keys,
@@ -290,6 +301,7 @@ pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
         logs,
         store.clone(),
         keys.prefix().to_string(),
+        security,
         shutdown.clone(),
         api_stop.clone(),
     ));

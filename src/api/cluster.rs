@@ -65,6 +65,8 @@ impl ClusterService for ClusterApi {
         &self,
         req: Request<proto::ResignLeadershipRequest>,
     ) -> Result<Response<proto::ResignLeadershipResponse>, Status> {
+        let caller = crate::security::caller_name(&req);
+        tracing::info!(target: "baton::audit", action = "resign", caller = %caller, replica = %self.replica_id, "resignation requested");
         if self.role.borrow().term().is_none() {
             let hint = match election::current_leader(&self.store, &self.keys).await {
                 Ok(l) => format!("; the leader is {} at {}", l.replica_id, l.advertise),

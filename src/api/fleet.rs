@@ -69,9 +69,10 @@ impl FleetService for FleetApi {
         &self,
         req: Request<proto::DrainWorkerRequest>,
     ) -> Result<Response<proto::WorkerInfo>, Status> {
+        let caller = crate::security::caller_name(&req);
         let id = req.into_inner().worker_id;
         jobs::fleet::drain(&self.store, &self.keys, &id, &self.replica_id).await?;
-        tracing::info!(worker = %id, replica = %self.replica_id, "drain requested");
+        tracing::info!(target: "baton::audit", action = "drain", worker = %id, caller = %caller, replica = %self.replica_id, "drain requested");
         Ok(Response::new(self.one(&id).await?))
     }
 
@@ -79,9 +80,10 @@ impl FleetService for FleetApi {
         &self,
         req: Request<proto::UndrainWorkerRequest>,
     ) -> Result<Response<proto::WorkerInfo>, Status> {
+        let caller = crate::security::caller_name(&req);
         let id = req.into_inner().worker_id;
         jobs::fleet::undrain(&self.store, &self.keys, &id).await?;
-        tracing::info!(worker = %id, replica = %self.replica_id, "drain withdrawn");
+        tracing::info!(target: "baton::audit", action = "undrain", worker = %id, caller = %caller, replica = %self.replica_id, "drain withdrawn");
         match self.one(&id).await {
             Err(s) if s.code() == tonic::Code::NotFound => Ok(Response::new(proto::WorkerInfo {
                 worker_id: id,

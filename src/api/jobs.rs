@@ -13,6 +13,7 @@ use crate::jobs::records::{self, JobResult, RegistryEntry, RegistryStatus};
 use crate::jobs::spec::{self, JobSpec};
 use crate::jobs::{self, Snapshot, State};
 use crate::proto::{self, job_service_server::JobService};
+use crate::security::{caller_name, ClientSecurity};
 use crate::store::codec;
 use crate::store::{Keys, Store};
 
@@ -24,14 +25,17 @@ pub struct JobApi {
     store: Store,
     keys: Keys,
     replica_id: String,
+    /// How this replica calls workers for their logs.
+    peer: ClientSecurity,
 }
 
 impl JobApi {
-    pub fn new(store: Store, keys: Keys, replica_id: String) -> Self {
+    pub fn new(store: Store, keys: Keys, replica_id: String, peer: ClientSecurity) -> Self {
         Self {
             store,
             keys,
             replica_id,
+            peer,
         }
     }
 }
@@ -94,6 +98,9 @@ fn from_result(job: &mut proto::Job, r: &JobResult) {
     job.signal = r.signal.unwrap_or_default();
     job.error = r.error.clone().unwrap_or_default();
     job.submitted_unix_ms = r.submitted_at_ms as i64;
+    if let Some(by) = &r.submitted_by {
+        job.submitted_by = by.clone();
+    }
     job.started_unix_ms = r.started_at_ms as i64;
     job.finished_unix_ms = r.finished_at_ms as i64;
     job.log_tail = r.log_tail.clone();
@@ -170,6 +177,7 @@ pub fn job_view(s: &Snapshot) -> proto::Job {
         job.spec = Some(spec_proto(&rec.spec));
         job.spec_hash = rec.spec_hash.clone();
         job.submitted_unix_ms = rec.submitted_at_ms as i64;
+        job.submitted_by = rec.submitted_by.clone().unwrap_or_default();
     }
     if let Some(r) = s.result() {
         from_result(&mut job, r);
@@ -233,6 +241,7 @@ impl JobService for JobApi {
         req: Request<proto::SubmitJobRequest>,
     ) -> Result<Response<proto::SubmitJobResponse>, Status> {
         let _timer = crate::metrics::get().submit_seconds.start_timer();
+        let caller = caller_name(&req);
         let req = req.into_inner();
         let spec = resolve_spec(req.spec)?;
         let id = if req.job_id.is_empty() {
@@ -240,10 +249,8 @@ impl JobService for JobApi {
         } else {
             req.job_id
         };
-        let done = jobs::submit(&self.store, &self.keys, &id, spec).await?;
-        if done.created {
-            tracing::info!(job_id = %id, replica = %self.replica_id, "job submitted");
-        }
+        let done = jobs::submit(&self.store, &self.keys, &id, spec, &caller).await?;
+        tracing::info!(target: "baton::audit", action = "submit", job_id = %id, caller = %caller, created = done.created, replica = %self.replica_id, "job submitted");
         Ok(Response::new(proto::SubmitJobResponse {
             job: Some(job_view(&done.snapshot)),
             created: done.created,
@@ -379,9 +386,10 @@ impl JobService for JobApi {
         &self,
         req: Request<proto::CancelJobRequest>,
     ) -> Result<Response<proto::Job>, Status> {
+        let caller = caller_name(&req);
         let id = req.into_inner().job_id;
         let snap = jobs::cancel(&self.store, &self.keys, &id, &self.replica_id).await?;
-        tracing::info!(job_id = %id, replica = %self.replica_id, "cancel requested");
+        tracing::info!(target: "baton::audit", action = "cancel", job_id = %id, caller = %caller, replica = %self.replica_id, "cancel requested");
         Ok(Response::new(job_view(&snap)))
     }
 
@@ -413,9 +421,10 @@ impl JobService for JobApi {
         &self,
         req: Request<proto::RetryCleanupRequest>,
     ) -> Result<Response<proto::Job>, Status> {
+        let caller = caller_name(&req);
         let id = req.into_inner().job_id;
         let snap = jobs::request_cleanup(&self.store, &self.keys, &id).await?;
-        tracing::info!(job_id = %id, replica = %self.replica_id, "cleanup retry requested");
+        tracing::info!(target: "baton::audit", action = "retry-cleanup", job_id = %id, caller = %caller, replica = %self.replica_id, "cleanup retry requested");
         Ok(Response::new(job_view(&snap)))
     }
 
@@ -428,7 +437,14 @@ impl JobService for JobApi {
             0 => 64 * 1024,
             n => n.min(crate::worker::READ_MAX),
         };
-        let logs = super::logs::tail(&self.store, &self.keys, &req.job_id, req.attempt, tail);
+        let logs = super::logs::tail(
+            &self.store,
+            &self.keys,
+            &self.peer,
+            &req.job_id,
+            req.attempt,
+            tail,
+        );
         Ok(Response::new(logs.await?))
     }
 
@@ -444,6 +460,7 @@ impl JobService for JobApi {
         tokio::spawn(super::logs::follow(
             self.store.clone(),
             self.keys.clone(),
+            self.peer.clone(),
             req.job_id,
             req.attempt,
             tx,

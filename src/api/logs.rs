@@ -11,6 +11,7 @@ use crate::jobs::records::RegistryStatus;
 use crate::jobs::work::{AttemptState, WorkerRecord, WORKER_VERSION};
 use crate::jobs::{self, Snapshot};
 use crate::proto::{self, worker_service_client::WorkerServiceClient};
+use crate::security::{AuthChannel, ClientSecurity};
 use crate::store::{codec, Keys, Store};
 
 /// How often a follower looks for new output.
@@ -73,8 +74,9 @@ fn locate(snap: &Snapshot, requested: u32) -> Option<Located> {
 async fn connect(
     store: &Store,
     keys: &Keys,
+    peer: &ClientSecurity,
     id: &str,
-) -> Result<WorkerServiceClient<tonic::transport::Channel>, String> {
+) -> Result<WorkerServiceClient<AuthChannel>, String> {
     let mut c = store.client();
     let resp = store
         .timed("read worker", c.get(keys.worker(id), None))
@@ -86,24 +88,19 @@ async fn connect(
         .ok_or_else(|| format!("worker {id} is not live"))?;
     let record: WorkerRecord =
         codec::decode(kv.key(), kv.value(), WORKER_VERSION).map_err(|e| e.to_string())?;
-    let addr = if record.advertise.contains("://") {
-        record.advertise.clone()
-    } else {
-        format!("http://{}", record.advertise)
-    };
-    let endpoint = tonic::transport::Endpoint::from_shared(addr.clone())
-        .map_err(|e| format!("worker {id} advertises {addr:?}: {e}"))?
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(5));
-    let channel = endpoint
-        .connect()
+    let channel = peer
+        .connect(
+            &record.advertise,
+            Duration::from_secs(2),
+            Duration::from_secs(5),
+        )
         .await
-        .map_err(|e| format!("cannot reach worker {id} at {addr}: {e}"))?;
+        .map_err(|e| format!("worker {id}: {e}"))?;
     Ok(WorkerServiceClient::new(channel))
 }
 
 async fn read_at(
-    client: &mut WorkerServiceClient<tonic::transport::Channel>,
+    client: &mut WorkerServiceClient<AuthChannel>,
     worker: &str,
     job: &str,
     attempt: u32,
@@ -128,6 +125,7 @@ async fn read_at(
 pub async fn tail(
     store: &Store,
     keys: &Keys,
+    peer: &ClientSecurity,
     job: &str,
     requested: u32,
     tail: u32,
@@ -148,7 +146,7 @@ pub async fn tail(
     };
     let mut unreachable = None;
     if let Some(w) = &at.worker {
-        match connect(store, keys, w).await {
+        match connect(store, keys, peer, w).await {
             Ok(mut c) => match read_at(&mut c, w, job, at.attempt, -1, tail).await {
                 Ok(Some(r)) => {
                     return Ok(proto::GetJobLogsResponse {
@@ -189,6 +187,7 @@ fn last_bytes(mut v: Vec<u8>, n: usize) -> Vec<u8> {
 pub async fn follow(
     store: Store,
     keys: Keys,
+    peer: ClientSecurity,
     job: String,
     requested: u32,
     tx: mpsc::Sender<Result<proto::LogChunk, Status>>,
@@ -227,7 +226,7 @@ pub async fn follow(
         let mut cut_off = at.worker.is_none();
         if let Some(w) = &at.worker {
             if client.is_none() {
-                client = connect(&store, &keys, w).await.ok();
+                client = connect(&store, &keys, &peer, w).await.ok();
             }
             cut_off = client.is_none();
             while let Some(c) = client.as_mut() {

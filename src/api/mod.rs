@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::server::NamedService;
 use tonic::transport::Server;
 
+use crate::security::{AuthLayer, Security};
 use crate::store::Store;
 
 use crate::proto::cluster_service_server::ClusterServiceServer;
@@ -41,6 +42,7 @@ pub struct Services {
     pub fleet: FleetApi,
     /// Its embedded worker's logs, if it runs one.
     pub worker: Option<WorkerLogs>,
+    pub security: Security,
 }
 
 /// Serves until `stop` fires, then drains in-flight calls. Readiness follows etcd's reach and
@@ -60,6 +62,7 @@ pub async fn serve(
         jobs,
         fleet,
         worker,
+        security,
     } = services;
     let mut ready = vec![
         service_name::<ClusterServiceServer<ClusterApi>>(),
@@ -84,17 +87,34 @@ pub async fn serve(
         .build_v1alpha()
         .expect("the embedded descriptor sets are valid");
     let local: Option<SocketAddr> = listener.local_addr().ok();
-    tracing::info!(listen = ?local, "gRPC API serving");
-    Server::builder()
+    tracing::info!(listen = ?local, tls = security.tls.is_some(), authentication = security.policy.enabled(), "gRPC API serving");
+    let router = Server::builder()
+        .layer(AuthLayer::new(security.policy))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(ClusterServiceServer::new(cluster))
         .add_service(JobServiceServer::new(jobs).max_decoding_message_size(jobs::MAX_REQUEST_BYTES))
         .add_service(FleetServiceServer::new(fleet))
-        .add_optional_service(worker.map(WorkerServiceServer::new))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop.cancelled_owned())
-        .await
+        .add_optional_service(worker.map(WorkerServiceServer::new));
+    match security.tls {
+        Some(tls) => {
+            router
+                .serve_with_incoming_shutdown(
+                    crate::security::incoming(listener, tls),
+                    stop.cancelled_owned(),
+                )
+                .await
+        }
+        None => {
+            router
+                .serve_with_incoming_shutdown(
+                    TcpListenerStream::new(listener),
+                    stop.cancelled_owned(),
+                )
+                .await
+        }
+    }
 }
 
 /// A worker's listener: `grpc.health.v1` (liveness; readiness while etcd answers, until
@@ -104,17 +124,35 @@ pub async fn serve_worker(
     logs: WorkerLogs,
     store: Store,
     probe_key: String,
+    security: Security,
     draining: CancellationToken,
     stop: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let (health, health_service) = tonic_health::server::health_reporter();
     let ready = vec![service_name::<WorkerServiceServer<WorkerLogs>>()];
     health::report(health, store, probe_key, ready, draining).await;
-    Server::builder()
+    let router = Server::builder()
+        .layer(AuthLayer::new(security.policy))
         .add_service(health_service)
-        .add_service(WorkerServiceServer::new(logs))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop.cancelled_owned())
-        .await
+        .add_service(WorkerServiceServer::new(logs));
+    match security.tls {
+        Some(tls) => {
+            router
+                .serve_with_incoming_shutdown(
+                    crate::security::incoming(listener, tls),
+                    stop.cancelled_owned(),
+                )
+                .await
+        }
+        None => {
+            router
+                .serve_with_incoming_shutdown(
+                    TcpListenerStream::new(listener),
+                    stop.cancelled_owned(),
+                )
+                .await
+        }
+    }
 }
 
 fn service_name<S: NamedService>() -> &'static str {

@@ -76,6 +76,7 @@ pub fn job_json(j: &Job) -> serde_json::Value {
         "waiting_reason": (!j.waiting_reason.is_empty()).then_some(&j.waiting_reason),
         "cancel_requested": j.cancel_requested,
         "submitted_unix_ms": j.submitted_unix_ms,
+        "submitted_by": (!j.submitted_by.is_empty()).then_some(&j.submitted_by),
         "started_unix_ms": j.started_unix_ms,
         "finished_unix_ms": j.finished_unix_ms,
         "log_tail": j.log_tail,

@@ -9,40 +9,49 @@ pub mod workers;
 use std::future::Future;
 use std::time::Duration;
 
-use anyhow::{anyhow, Context};
+use anyhow::anyhow;
 use backoff::backoff::Backoff;
 use serde_json::json;
-use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
-use crate::config::{ClientArgs, Output, ResignArgs};
+use crate::config::{ClientArgs, ClientSecurityArgs, Output, ResignArgs};
 use crate::proto::cluster_service_client::ClusterServiceClient;
 use crate::proto::{GetLeaderRequest, LeaderInfo, ResignLeadershipRequest};
+use crate::security::{AuthChannel, Bearer, ClientSecurity, ClientTlsFiles};
 
-fn uri(addr: &str) -> String {
-    if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
-    }
+/// The CLI's TLS and token, read from their files.
+pub fn client_security(args: &ClientSecurityArgs) -> anyhow::Result<ClientSecurity> {
+    let files = ClientTlsFiles {
+        ca: args.ca.clone(),
+        cert: args.cert.clone(),
+        key: args.key.clone(),
+    };
+    Ok(ClientSecurity {
+        tls: files.config().map_err(|e| anyhow!(e))?,
+        bearer: match &args.token_file {
+            Some(p) => Bearer::from_file(p).map_err(|e| anyhow!(e))?,
+            None => Bearer::default(),
+        },
+    })
 }
 
 /// Opens a channel to one replica.
-pub async fn channel(addr: &str, timeout: Duration) -> anyhow::Result<Channel> {
-    let ep = Endpoint::from_shared(uri(addr))
-        .with_context(|| format!("invalid endpoint {addr:?}"))?
-        .connect_timeout(timeout.min(Duration::from_secs(3)))
-        .timeout(timeout);
-    ep.connect()
+pub async fn channel(
+    addr: &str,
+    security: &ClientSecurity,
+    timeout: Duration,
+) -> anyhow::Result<AuthChannel> {
+    security
+        .connect(addr, timeout.min(Duration::from_secs(3)), timeout)
         .await
-        .with_context(|| format!("cannot connect to {addr}"))
+        .map_err(|e| anyhow!(e))
 }
 
 /// Calls `f` on each endpoint in turn until one answers with something other than
 /// UNAVAILABLE, retrying rounds with backoff until `timeout` has passed.
 pub async fn call_any<T, F, Fut>(args: &ClientArgs, mut f: F) -> anyhow::Result<T>
 where
-    F: FnMut(Channel) -> Fut,
+    F: FnMut(AuthChannel) -> Fut,
     Fut: Future<Output = Result<T, Status>>,
 {
     let deadline = tokio::time::Instant::now() + args.timeout;
@@ -52,10 +61,11 @@ where
         max_elapsed_time: None,
         ..Default::default()
     };
+    let security = client_security(&args.security)?;
     let mut last = anyhow!("no endpoints given");
     loop {
         for ep in &args.endpoints {
-            match channel(ep, args.timeout).await {
+            match channel(ep, &security, args.timeout).await {
                 Ok(ch) => match f(ch).await {
                     Ok(v) => return Ok(v),
                     Err(s) if retryable(&s) => last = anyhow!("{ep}: {}", s.message()),
@@ -137,7 +147,7 @@ pub async fn leader_resign(args: &ResignArgs) -> anyhow::Result<()> {
     let c = &args.client;
     let old = get_leader(c).await?;
     let term = if args.term == 0 { old.term } else { args.term };
-    let ch = channel(&old.advertise, c.timeout).await?;
+    let ch = channel(&old.advertise, &client_security(&c.security)?, c.timeout).await?;
     let resp = ClusterServiceClient::new(ch)
         .resign_leadership(ResignLeadershipRequest { term })
         .await

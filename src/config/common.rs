@@ -1,5 +1,6 @@
 //! Settings every command shares: etcd access, names and lease checks.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
@@ -22,14 +23,57 @@ pub struct EtcdArgs {
     /// How long to wait for etcd at start before giving up.
     #[arg(long, env = "BATON_STARTUP_TIMEOUT", value_parser = humantime::parse_duration, default_value = "30s")]
     pub startup_timeout: Duration,
+    /// CA certificate (PEM) of etcd's client port; turns on TLS to etcd.
+    #[arg(long, env = "BATON_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for etcd's `--client-cert-auth`.
+    #[arg(
+        long,
+        env = "BATON_ETCD_CERT",
+        requires = "etcd_key",
+        requires = "etcd_ca"
+    )]
+    pub etcd_cert: Option<PathBuf>,
+    /// The key of --etcd-cert (PEM).
+    #[arg(long, env = "BATON_ETCD_KEY", requires = "etcd_cert")]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user (with etcd's auth enabled); the password comes from --etcd-password-file.
+    #[arg(long, env = "BATON_ETCD_USER", requires = "etcd_password_file")]
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password (trailing newline ignored).
+    #[arg(long, env = "BATON_ETCD_PASSWORD_FILE", requires = "etcd_user")]
+    pub etcd_password_file: Option<PathBuf>,
 }
 
 impl EtcdArgs {
-    pub fn etcd_config(&self) -> EtcdConfig {
+    /// Reads the certificate and password files now, so a wrong path stops the start.
+    pub fn etcd_config(&self) -> Result<EtcdConfig, ConfigError> {
+        let read = |flag: &str, p: &PathBuf| {
+            std::fs::read(p).map_err(|e| ConfigError(format!("{flag} {}: {e}", p.display())))
+        };
         let mut c = EtcdConfig::new(self.etcd_endpoints.clone());
         c.request_timeout = self.etcd_timeout;
         c.connect_timeout = self.etcd_timeout.min(Duration::from_secs(2));
-        c
+        if let Some(ca) = &self.etcd_ca {
+            let mut tls = etcd_client::TlsOptions::new()
+                .ca_certificate(etcd_client::Certificate::from_pem(read("--etcd-ca", ca)?));
+            if let (Some(cert), Some(key)) = (&self.etcd_cert, &self.etcd_key) {
+                tls = tls.identity(etcd_client::Identity::from_pem(
+                    read("--etcd-cert", cert)?,
+                    read("--etcd-key", key)?,
+                ));
+            }
+            c.tls = Some(tls);
+        }
+        if let (Some(user), Some(file)) = (&self.etcd_user, &self.etcd_password_file) {
+            let password = String::from_utf8(read("--etcd-password-file", file)?)
+                .map_err(|_| ConfigError("--etcd-password-file is not UTF-8".into()))?;
+            c.user = Some((
+                user.clone(),
+                password.trim_end_matches(['\r', '\n']).to_string(),
+            ));
+        }
+        Ok(c)
     }
 }
 

@@ -10,11 +10,13 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 mod common;
 mod drill;
+mod security;
 mod serve;
 mod worker;
 
 pub use common::{validate_name, ConfigError, EtcdArgs};
 pub use drill::{DrillArgs, ALL_FAULTS};
+pub use security::{ClientSecurityArgs, SecurityArgs};
 pub use serve::ServeArgs;
 pub use worker::{RunArgs, WorkerArgs, WorkerCommand, WorkerIdArgs};
 
@@ -185,6 +187,8 @@ pub struct ClientArgs {
     /// Output format.
     #[arg(short = 'o', long, env = "BATON_OUTPUT", value_enum, default_value_t = Output::Text)]
     pub output: Output,
+    #[command(flatten)]
+    pub security: ClientSecurityArgs,
 }
 
 #[derive(Debug, Args)]

@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::Args;
 
 use super::common::{host_name, validate_lease, validate_name, ConfigError, EtcdArgs};
+use super::security::SecurityArgs;
 use super::worker::RunArgs;
 
 #[derive(Debug, Clone, Args)]
@@ -78,6 +79,8 @@ pub struct ServeArgs {
     pub worker: bool,
     #[command(flatten)]
     pub run: RunArgs,
+    #[command(flatten)]
+    pub security: SecurityArgs,
     /// Test and drill hook: stop each cleanup after recording this stage.
     #[arg(long, env = "BATON_CLEANUP_PAUSE_AFTER_STAGE", hide = true)]
     pub cleanup_pause_after_stage: Option<u32>,
@@ -105,6 +108,7 @@ impl ServeArgs {
         validate_name("--cluster", &self.cluster)?;
         validate_name("--replica-id", &self.replica_id())?;
         self.run.validate()?;
+        self.security.validate(self.listen)?;
         if !(self.max_starts_per_second.is_finite() && self.max_starts_per_second > 0.0) {
             return Err(ConfigError(
                 "--max-starts-per-second must be a number above 0".into(),

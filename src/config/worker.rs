@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::Args;
 
 use super::common::{host_name, validate_lease, validate_name, ConfigError, EtcdArgs};
+use super::security::SecurityArgs;
 
 /// How a worker runs jobs: shared by `baton worker` and the worker embedded in `baton serve`.
 #[derive(Debug, Clone, Args)]
@@ -86,6 +87,8 @@ impl RunArgs {
 pub struct WorkerArgs {
     #[command(flatten)]
     pub etcd: EtcdArgs,
+    #[command(flatten)]
+    pub security: SecurityArgs,
     /// Cluster name: all keys live under `/baton/<cluster>/`.
     #[arg(long, env = "BATON_CLUSTER", default_value = "default")]
     pub cluster: String,
@@ -153,6 +156,7 @@ impl WorkerArgs {
         validate_lease("--lease-ttl", self.lease_ttl, self.margin())?;
         validate_name("--cluster", &self.cluster)?;
         validate_name("--worker-id", &self.worker_id())?;
+        self.security.validate(self.listen)?;
         if self.etcd.etcd_endpoints.iter().all(|e| e.trim().is_empty()) {
             return Err(ConfigError("--etcd-endpoints is empty".into()));
         }

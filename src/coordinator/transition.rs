@@ -568,6 +568,7 @@ impl JobCtx<'_> {
             recoveries: e.recoveries,
             preemptions: e.preemptions,
             submitted_at_ms: self.record.submitted_at_ms,
+            submitted_by: self.record.submitted_by.clone(),
             started_at_ms: e.first_started_ms,
             finished_at_ms: records::now_ms(),
             spec_hash: self.record.spec_hash.clone(),

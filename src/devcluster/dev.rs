@@ -105,6 +105,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         endpoints: endpoints.clone(),
         timeout: Duration::from_secs(10),
         output: Output::Text,
+        security: Default::default(),
     };
     let poll = ClientArgs {
         timeout: Duration::from_secs(2),

@@ -36,6 +36,8 @@ struct Member {
     name: String,
     client_port: u16,
     peer_port: u16,
+    /// Plain HTTP `/health` (and metrics), whether or not clients use TLS.
+    metrics_port: u16,
     data_dir: PathBuf,
     log: PathBuf,
     child: Option<Child>,
@@ -47,11 +49,30 @@ pub struct EtcdCluster {
     dir: PathBuf,
     token: String,
     members: Vec<Member>,
+    tls: Option<EtcdTls>,
+}
+
+/// TLS on the client port: the server's certificate and key, and the CA clients check it with.
+#[derive(Clone, Debug)]
+pub struct EtcdTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
 }
 
 impl EtcdCluster {
     /// Starts `size` members with data and logs under `dir`, and waits until they serve.
     pub fn start(bin: &Path, dir: &Path, size: usize) -> Result<EtcdCluster, Error> {
+        Self::start_with(bin, dir, size, None)
+    }
+
+    /// Like [`EtcdCluster::start`], with TLS on the client port when `tls` is given.
+    pub fn start_with(
+        bin: &Path,
+        dir: &Path,
+        size: usize,
+        tls: Option<EtcdTls>,
+    ) -> Result<EtcdCluster, Error> {
         which(bin)?;
         std::fs::create_dir_all(dir).map_err(|e| Error::Io(dir.into(), e))?;
         let members = (0..size.max(1))
@@ -59,6 +80,7 @@ impl EtcdCluster {
                 name: format!("etcd-{i}"),
                 client_port: free_port(),
                 peer_port: free_port(),
+                metrics_port: free_port(),
                 data_dir: dir.join(format!("etcd-{i}.data")),
                 log: dir.join(format!("etcd-{i}.log")),
                 child: None,
@@ -69,6 +91,7 @@ impl EtcdCluster {
             dir: dir.into(),
             token: format!("baton-{}", std::process::id()),
             members,
+            tls,
         };
         for i in 0..c.members.len() {
             c.spawn(i)?;
@@ -93,9 +116,20 @@ impl EtcdCluster {
             .append(true)
             .open(&m.log)
             .map_err(|e| Error::Io(m.log.clone(), e))?;
-        let client = format!("http://127.0.0.1:{}", m.client_port);
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let client = format!("{scheme}://127.0.0.1:{}", m.client_port);
         let peer = format!("http://127.0.0.1:{}", m.peer_port);
-        let child = Command::new(&self.bin)
+        let metrics = format!("http://127.0.0.1:{}", m.metrics_port);
+        let mut cmd = Command::new(&self.bin);
+        if let Some(t) = &self.tls {
+            cmd.arg("--cert-file")
+                .arg(&t.cert)
+                .arg("--key-file")
+                .arg(&t.key)
+                .arg("--trusted-ca-file")
+                .arg(&t.ca);
+        }
+        let child = cmd
             .arg("--name")
             .arg(&m.name)
             .arg("--data-dir")
@@ -103,6 +137,7 @@ impl EtcdCluster {
             .args(["--listen-client-urls", &client])
             .args(["--advertise-client-urls", &client])
             .args(["--listen-peer-urls", &peer])
+            .args(["--listen-metrics-urls", &metrics])
             .args(["--initial-advertise-peer-urls", &peer])
             .args(["--initial-cluster", &initial])
             .args(["--initial-cluster-state", "new"])
@@ -145,7 +180,7 @@ impl EtcdCluster {
     pub fn wait_ready(&self, within: Duration) -> Result<(), Error> {
         let deadline = Instant::now() + within;
         for m in self.members.iter().filter(|m| m.child.is_some()) {
-            let addr = format!("127.0.0.1:{}", m.client_port);
+            let addr = format!("127.0.0.1:{}", m.metrics_port);
             while !health_ok(&addr) {
                 if Instant::now() >= deadline {
                     return Err(Error::NotReady(within, self.dir.clone()));

@@ -7,7 +7,7 @@ pub mod proxy;
 pub mod replica;
 
 pub use dev::run as run_dev;
-pub use etcd::EtcdCluster;
+pub use etcd::{EtcdCluster, EtcdTls};
 pub use proxy::{FaultProxy, Mode};
 pub use replica::{ReplicaProcess, ReplicaSpec};
 

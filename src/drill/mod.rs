@@ -76,6 +76,7 @@ impl Lab {
             endpoints: self.endpoints(),
             timeout: Duration::from_secs(2),
             output: Output::Text,
+            security: Default::default(),
         }
     }
 
@@ -95,8 +96,12 @@ impl Lab {
     /// The leader as some live replica answers, and whether it also says it is the leader.
     pub async fn leader(&self) -> Option<(LeaderInfo, bool)> {
         for r in &self.replicas {
-            let Ok(ch) =
-                crate::cli::channel(&r.listen().to_string(), Duration::from_millis(500)).await
+            let Ok(ch) = crate::cli::channel(
+                &r.listen().to_string(),
+                &Default::default(),
+                Duration::from_millis(500),
+            )
+            .await
             else {
                 continue;
             };
@@ -120,9 +125,13 @@ impl Lab {
         if l.term <= above {
             return None;
         }
-        let ch = crate::cli::channel(&l.advertise, Duration::from_millis(500))
-            .await
-            .ok()?;
+        let ch = crate::cli::channel(
+            &l.advertise,
+            &Default::default(),
+            Duration::from_millis(500),
+        )
+        .await
+        .ok()?;
         let resp = ClusterServiceClient::new(ch)
             .get_leader(GetLeaderRequest {})
             .await

@@ -232,6 +232,7 @@ pub async fn submit(
     keys: &Keys,
     id: &str,
     spec: JobSpec,
+    submitted_by: &str,
 ) -> Result<Submitted, Error> {
     spec::validate_id(id)?;
     let k = keys.job(id);
@@ -242,6 +243,7 @@ pub async fn submit(
         spec,
         spec_hash: hash.clone(),
         submitted_at_ms: records::now_ms(),
+        submitted_by: Some(submitted_by.to_string()),
     };
     let absent = |key: &str| Compare::version(key, CompareOp::Equal, 0);
     let txn = Txn::new()

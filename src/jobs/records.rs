@@ -147,6 +147,9 @@ pub struct JobResult {
     #[serde(default)]
     pub preemptions: u32,
     pub submitted_at_ms: u64,
+    /// See [`crate::jobs::spec::JobRecord::submitted_by`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submitted_by: Option<String>,
     #[serde(default)]
     pub started_at_ms: u64,
     pub finished_at_ms: u64,

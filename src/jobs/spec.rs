@@ -185,7 +185,7 @@ impl JobSpec {
         let timeout = match timeout {
             None => DEFAULT_TIMEOUT,
             Some(t) if t.is_zero() => DEFAULT_TIMEOUT,
-            Some(t) if t.as_secs() > limits::TIMEOUT_MAX_SECS => {
+            Some(t) if t > Duration::from_secs(limits::TIMEOUT_MAX_SECS) => {
                 return Err(invalid("spec.timeout", "is more than 7 days"))
             }
             Some(t) if t < Duration::from_millis(100) => {
@@ -282,6 +282,10 @@ pub struct JobRecord {
     pub spec_hash: String,
     /// Unix milliseconds.
     pub submitted_at_ms: u64,
+    /// Who submitted it: the token's name or the client certificate's CN (`anonymous`
+    /// without authentication). Absent in records written before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submitted_by: Option<String>,
 }
 
 pub const JOB_RECORD_VERSION: u32 = 1;

@@ -24,6 +24,8 @@ pub enum Error {
         #[source]
         source: etcd_client::Error,
     },
+    #[error("etcd refused the user {user:?}: {reason}")]
+    Auth { user: String, reason: String },
     #[error("etcd did not answer {op} within {timeout:?}")]
     Timeout { op: &'static str, timeout: Duration },
     #[error("etcd {op} failed: {source}")]
@@ -66,13 +68,30 @@ pub fn is_no_leader(e: &etcd_client::Error) -> bool {
 }
 
 /// How to reach etcd.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct EtcdConfig {
     pub endpoints: Vec<String>,
     /// Bound on every single (non-streaming) call.
     pub request_timeout: Duration,
     /// Bound on opening one TCP connection.
     pub connect_timeout: Duration,
+    /// TLS to etcd (endpoints without a scheme then use https).
+    pub tls: Option<etcd_client::TlsOptions>,
+    /// etcd user and password; etcd-client renews the auth token when etcd expires it.
+    pub user: Option<(String, String)>,
+}
+
+/// Never shows the password.
+impl std::fmt::Debug for EtcdConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdConfig")
+            .field("endpoints", &self.endpoints)
+            .field("request_timeout", &self.request_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("tls", &self.tls.is_some())
+            .field("user", &self.user.as_ref().map(|(u, _)| u))
+            .finish()
+    }
 }
 
 impl EtcdConfig {
@@ -81,6 +100,8 @@ impl EtcdConfig {
             endpoints,
             request_timeout: Duration::from_secs(3),
             connect_timeout: Duration::from_secs(2),
+            tls: None,
+            user: None,
         }
     }
 
@@ -88,10 +109,17 @@ impl EtcdConfig {
         // HTTP/2 pings every 10 s: etcd closes connections that ping more often than every 5 s,
         // and a dead connection under a long watch or campaign must still be noticed.
         // Requests to a member cut off from its cluster's leader fail fast instead of waiting.
-        ConnectOptions::new()
+        let mut o = ConnectOptions::new()
             .with_connect_timeout(self.connect_timeout)
             .with_keep_alive(Duration::from_secs(10), Duration::from_secs(3))
-            .with_require_leader(true)
+            .with_require_leader(true);
+        if let Some(tls) = &self.tls {
+            o = o.with_tls(tls.clone());
+        }
+        if let Some((user, password)) = &self.user {
+            o = o.with_user(user, password).with_auto_token_refresh(true);
+        }
+        o
     }
 }
 
@@ -118,9 +146,20 @@ impl Store {
     pub async fn fresh_client(config: &EtcdConfig) -> Result<Client, Error> {
         let connect = Client::connect(&config.endpoints, Some(config.options()));
         match tokio::time::timeout(config.connect_timeout, connect).await {
-            Ok(r) => r.map_err(|source| Error::Endpoints {
-                endpoints: config.endpoints.join(","),
-                source,
+            Ok(r) => r.map_err(|source| match (&config.user, &source) {
+                (Some((user, _)), etcd_client::Error::GRpcStatus(s))
+                    if s.code() == tonic::Code::InvalidArgument
+                        || s.message().contains("authentication failed") =>
+                {
+                    Error::Auth {
+                        user: user.clone(),
+                        reason: s.message().to_string(),
+                    }
+                }
+                _ => Error::Endpoints {
+                    endpoints: config.endpoints.join(","),
+                    source,
+                },
             }),
             Err(_) => Err(Error::Timeout {
                 op: "connect",
