@@ -35,11 +35,13 @@ $(VENV)/.installed: tests/tools/requirements.txt
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r tests/tools/requirements.txt
 	touch $@
 
-# The image check (tests/deploy.rs) starts the release binary, as the image ships it.
+# The image check (tests/deploy.rs) starts the release binary, as the image ships it; it is found
+# where cargo puts it, $CARGO_TARGET_DIR included.
+TARGET_DIR ?= $(if $(CARGO_TARGET_DIR),$(CARGO_TARGET_DIR),target)
 test: lint pydeps
 	$(CARGO) build --release --bin baton
 	BATON_TEST_PYTHON=$(abspath $(VENV))/bin/python \
-	BATON_TEST_RELEASE_BIN=$(abspath target/release/baton) \
+	BATON_TEST_RELEASE_BIN=$(abspath $(TARGET_DIR)/release/baton) \
 	$(CARGO) test -- --test-threads=$(TEST_THREADS)
 
 soak: build

@@ -52,7 +52,8 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
     args.validate()?;
     let security = Security::load(&args.security).map_err(Error::Security)?;
     // Before etcd is reached, so a process stuck waiting for it can be seen.
-    serve_metrics(args.metrics_listen).await?;
+    let ready = api::Ready::default();
+    serve_metrics(args.metrics_listen, ready.clone()).await?;
     let replica_id = args.replica_id();
     let Opened {
         keys,
@@ -151,6 +152,7 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
             .worker
             .then(|| WorkerLogs::new(replica_id.clone(), storage_dir)),
         security,
+        ready,
     };
     let server = tokio::spawn(api::serve(
         listener,
@@ -214,14 +216,18 @@ async fn open(
     })
 }
 
-/// Binds `--metrics-listen`, if given, and serves `/metrics` there for the process's life.
-async fn serve_metrics(listen: Option<std::net::SocketAddr>) -> Result<(), Error> {
+/// Binds `--metrics-listen`, if given, and serves `/metrics`, `/livez` and `/readyz` there for
+/// the process's life.
+async fn serve_metrics(
+    listen: Option<std::net::SocketAddr>,
+    ready: api::Ready,
+) -> Result<(), Error> {
     let Some(addr) = listen else { return Ok(()) };
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|source| Error::Listen { addr, source })?;
     tokio::spawn(async move {
-        if let Err(e) = api::serve_metrics(listener).await {
+        if let Err(e) = api::serve_metrics(listener, ready).await {
             tracing::error!(error = %e, "the metrics server failed");
         }
     });
@@ -272,7 +278,8 @@ fn guard_settings(run: &RunArgs, guard_bin: std::path::PathBuf, margin: Duration
 pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
     args.validate()?;
     let security = Security::load(&args.security).map_err(Error::Security)?;
-    serve_metrics(args.metrics_listen).await?;
+    let ready = api::Ready::default();
+    serve_metrics(args.metrics_listen, ready.clone()).await?;
     let Opened {
         keys,
         store,
@@ -296,12 +303,16 @@ pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
     spawn_signal_handler(shutdown.clone())?;
     let api_stop = CancellationToken::new();
     let logs = WorkerLogs::new(worker_id.clone(), storage_dir);
+    let services = api::WorkerServices {
+        logs,
+        store: store.clone(),
+        probe_key: keys.prefix().to_string(),
+        security,
+        ready,
+    };
     let health = tokio::spawn(api::serve_worker(
         listener,
-        logs,
-        store.clone(),
-        keys.prefix().to_string(),
-        security,
+        services,
         shutdown.clone(),
         api_stop.clone(),
     ));

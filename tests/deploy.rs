@@ -132,6 +132,17 @@ fn the_manifests_render_and_validate_against_the_kubernetes_schemas() {
         }
         let coord = find(&objs, "StatefulSet", "baton");
         assert_eq!(coord["spec"]["replicas"], 3);
+        // Workers are named through their headless Service, so a certificate can name them.
+        let w = find(&objs, "Deployment", "baton-worker");
+        assert_eq!(w["spec"]["template"]["spec"]["subdomain"], "baton-worker");
+        assert_eq!(
+            find(&objs, "Service", "baton-worker")["spec"]["clusterIP"],
+            "None"
+        );
+        assert_eq!(
+            env_of(container(w), "BATON_ADVERTISE").unwrap(),
+            "$(POD_NAME).baton-worker.$(POD_NAMESPACE).svc:7071"
+        );
         let args = container(coord)["args"].as_array().unwrap();
         assert_eq!(args[0], "serve");
         assert!(args.iter().any(|a| a == "--worker=false"), "{args:?}");
@@ -161,8 +172,36 @@ fn the_manifests_render_and_validate_against_the_kubernetes_schemas() {
             assert_eq!(sc["allowPrivilegeEscalation"], false);
             assert_eq!(sc["capabilities"]["drop"][0], "ALL");
             assert!(c["resources"]["limits"]["memory"].is_string());
-            assert_eq!(c["livenessProbe"]["grpc"]["service"], "liveness");
-            assert!(c["readinessProbe"]["grpc"]["port"].is_number());
+            // kubelet's gRPC probes cannot speak TLS: HTTP on the metrics port.
+            for (probe, path) in [
+                ("startupProbe", "/livez"),
+                ("livenessProbe", "/livez"),
+                ("readinessProbe", "/readyz"),
+            ] {
+                assert_eq!(c[probe]["httpGet"]["path"], path, "{probe}");
+                assert_eq!(c[probe]["httpGet"]["port"], "metrics", "{probe}");
+            }
+            // TLS and tokens come from mounted Secrets; whole volumes, so updates reach them.
+            for var in ["BATON_TLS_CERT", "BATON_TLS_KEY", "BATON_AUTH_TOKENS_FILE"] {
+                let file = env_of(c, var).unwrap_or_else(|| panic!("{var} is not set"));
+                let mount = c["volumeMounts"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|m| file.starts_with(m["mountPath"].as_str().unwrap()))
+                    .unwrap_or_else(|| panic!("{file} is not in a mounted volume"));
+                assert!(
+                    mount["subPath"].is_null(),
+                    "{var}: subPath mounts never update"
+                );
+                let volume = pod["volumes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|v| v["name"] == mount["name"])
+                    .unwrap();
+                assert!(volume["secret"]["secretName"].is_string(), "{volume}");
+            }
             // The one folder Baton writes is a mounted volume.
             let storage = env_of(c, "BATON_STORAGE_DIR").unwrap();
             assert!(
@@ -204,7 +243,14 @@ fn every_flag_and_variable_in_the_manifests_exists_in_its_commands_help() {
             .output()
             .unwrap();
         assert!(help.status.success());
-        let help = String::from_utf8_lossy(&help.stdout).into_owned();
+        let mut help = String::from_utf8_lossy(&help.stdout).into_owned();
+        // The CLI run by `kubectl exec` in the pod reads the pod's variables too.
+        let cli = Command::new(BIN)
+            .args(["job", "list", "--help"])
+            .output()
+            .unwrap();
+        assert!(cli.status.success());
+        let cli_help = String::from_utf8_lossy(&cli.stdout).into_owned();
         for a in &args[1..] {
             let flag = a.split('=').next().unwrap();
             assert!(
@@ -223,6 +269,7 @@ fn every_flag_and_variable_in_the_manifests_exists_in_its_commands_help() {
             .map(|e| e["name"].as_str().unwrap().to_string())
             .collect();
         vars.extend(config.as_object().unwrap().keys().cloned());
+        help += &cli_help;
         for v in vars.iter().filter(|v| v.starts_with("BATON_")) {
             assert!(
                 help.contains(&format!("[env: {v}=")),
@@ -246,17 +293,85 @@ impl Drop for Proc {
     }
 }
 
+/// What a pod mounts from Secrets: secret name to a folder holding one file per key.
+type Secrets = BTreeMap<String, PathBuf>;
+
+/// Builds each Secret volume of `workload` under `into` as the kubelet would (the listed
+/// items, or every key; readable by the pod's group) and returns its mount path and folder.
+fn secret_mounts(workload: &Value, secrets: &Secrets, into: &Path) -> Vec<(String, PathBuf)> {
+    let pod = &workload["spec"]["template"]["spec"];
+    let mut mounts = Vec::new();
+    for m in container(workload)["volumeMounts"].as_array().unwrap() {
+        let v = pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == m["name"])
+            .unwrap();
+        let Some(name) = v["secret"]["secretName"].as_str() else {
+            continue;
+        };
+        let src = &secrets[name];
+        let dir = into.join(m["name"].as_str().unwrap());
+        std::fs::create_dir_all(&dir).unwrap();
+        let items: Vec<(String, String)> = match v["secret"]["items"].as_array() {
+            Some(items) => items
+                .iter()
+                .map(|i| {
+                    (
+                        i["key"].as_str().unwrap().into(),
+                        i["path"].as_str().unwrap().into(),
+                    )
+                })
+                .collect(),
+            None => std::fs::read_dir(src)
+                .unwrap()
+                .flatten()
+                .map(|f| f.file_name().to_string_lossy().into_owned())
+                .map(|k| (k.clone(), k))
+                .collect(),
+        };
+        for (key, path) in items {
+            let to = dir.join(path);
+            std::fs::copy(src.join(&key), &to)
+                .unwrap_or_else(|e| panic!("secret {name} has no key {key}: {e}"));
+            std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o440)).unwrap();
+            if nix::unistd::geteuid().is_root() {
+                std::os::unix::fs::chown(&to, Some(0), Some(65532)).unwrap();
+            }
+        }
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        mounts.push((m["mountPath"].as_str().unwrap().to_string(), dir));
+    }
+    mounts
+}
+
+/// What every pod shares: the image's binary, the ConfigMap, the Secrets, and where the
+/// kubelet would build the pods' Secret volumes.
+#[derive(Clone, Copy)]
+struct Image<'a> {
+    bin: &'a Path,
+    config: &'a Value,
+    secrets: &'a Secrets,
+    volumes: &'a Path,
+}
+
 /// Starts `baton` as the image does (uid 65532 when the test runs as root, from `/`, with
-/// only `scratch` writable), with a workload's args, variables and ConfigMap, loopback
-/// addresses in place of the pod's, and the test's etcd.
+/// only `scratch` writable), with a workload's args, variables, ConfigMap and Secret volumes
+/// (under `volumes`), loopback addresses in place of the pod's, and the test's etcd.
 fn start_as_image(
-    bin: &Path,
+    image: &Image,
     workload: &Value,
-    config: &Value,
     pod: &str,
     overrides: &[(&str, String)],
     log: &Path,
-) -> Proc {
+) -> (Proc, BTreeMap<String, String>) {
+    let Image {
+        bin,
+        config,
+        secrets,
+        volumes,
+    } = *image;
     let c = container(workload);
     let args: Vec<String> = c["args"]
         .as_array()
@@ -264,6 +379,7 @@ fn start_as_image(
         .iter()
         .map(|a| a.as_str().unwrap().to_string())
         .collect();
+    let mounts = secret_mounts(workload, secrets, &volumes.join(pod));
     let mut env: BTreeMap<String, String> = config
         .as_object()
         .unwrap()
@@ -271,7 +387,7 @@ fn start_as_image(
         .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
         .collect();
     for e in c["env"].as_array().unwrap() {
-        let value = match (
+        let mut value = match (
             &e["value"],
             e["valueFrom"]["fieldRef"]["fieldPath"].as_str(),
         ) {
@@ -284,6 +400,11 @@ fn start_as_image(
             (_, Some("status.podIP")) => "127.0.0.1".to_string(),
             other => panic!("unexpected variable source {other:?}"),
         };
+        for (mount, dir) in &mounts {
+            if let Some(rest) = value.strip_prefix(mount.as_str()) {
+                value = format!("{}{rest}", dir.display());
+            }
+        }
         env.insert(e["name"].as_str().unwrap().to_string(), value);
     }
     for (k, v) in overrides {
@@ -301,7 +422,29 @@ fn start_as_image(
     if nix::unistd::geteuid().is_root() {
         cmd.uid(65532).gid(65532);
     }
-    Proc(cmd.spawn().unwrap())
+    (Proc(cmd.spawn().unwrap()), env)
+}
+
+/// The status code of `GET path` on `addr` (what an httpGet probe sees), if it answers.
+async fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let get = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+            .await
+            .ok()?;
+        let mut head = Vec::new();
+        s.read_to_end(&mut head).await.ok()?;
+        String::from_utf8_lossy(&head)
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    tokio::time::timeout(Duration::from_secs(5), get)
+        .await
+        .ok()
+        .flatten()
 }
 
 async fn health_of(addr: SocketAddr, service: &str) -> Option<i32> {
@@ -324,6 +467,77 @@ async fn health_of(addr: SocketAddr, service: &str) -> Option<i32> {
 const SERVING: i32 = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
 const NOT_SERVING: i32 = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
 
+/// The Secrets the manifests mount, made by `examples/make-secrets.sh` as the README says;
+/// returns them and the folder holding every generated file (tokens per role included).
+fn make_secrets(into: &Path) -> (Secrets, PathBuf) {
+    let all = into.join("generated");
+    let out = Command::new(format!("{ROOT}/deploy/kubernetes/examples/make-secrets.sh"))
+        .args(["default", all.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "make-secrets.sh: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut secrets = Secrets::new();
+    for (name, keys) in [
+        ("baton-tls", &["tls.crt", "tls.key", "ca.crt"][..]),
+        ("baton-tokens", &["tokens", "peer-token"][..]),
+    ] {
+        let d = into.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for k in keys {
+            std::fs::copy(all.join(k), d.join(k)).unwrap();
+        }
+        secrets.insert(name.to_string(), d);
+    }
+    (secrets, all)
+}
+
+/// The names the trial certificate carries, as `openssl x509` prints them.
+fn certificate_names(cert: &Path) -> Vec<String> {
+    let out = Command::new("openssl")
+        .args(["x509", "-noout", "-ext", "subjectAltName", "-in"])
+        .arg(cert)
+        .output()
+        .expect("openssl (apt-get install openssl)");
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut names: Vec<String> = text
+        .lines()
+        .skip(1)
+        .flat_map(|l| l.split(','))
+        .map(|n| {
+            let n = n.trim();
+            n.split_once(':').map_or(n, |(_, v)| v).to_string()
+        })
+        .collect();
+    names.sort();
+    names
+}
+
+/// A channel as a client of the secured deployment: its CA and the `admin.token` of `dir`.
+async fn secured(addr: SocketAddr, dir: &Path) -> baton::security::AuthChannel {
+    let sec = baton::security::ClientSecurity {
+        tls: baton::security::ClientTlsFiles {
+            ca: Some(dir.join("ca.crt")),
+            cert: None,
+            key: None,
+        }
+        .config()
+        .unwrap(),
+        bearer: baton::security::Bearer::from_file(&dir.join("admin.token")).unwrap(),
+    };
+    sec.connect(
+        &addr.to_string(),
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worker() {
     let tmp = tempfile::Builder::new()
@@ -332,6 +546,19 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
         .unwrap();
     let objs = objects(&render("deploy/kubernetes", tmp.path()));
     let etcd = start_etcd(&tmp.path().join("etcd"), 1);
+    let (secrets, generated) = make_secrets(&tmp.path().join("secrets"));
+    // The trial certificate and cert-manager's name the same peers.
+    let cm = objects(Path::new(&format!(
+        "{ROOT}/deploy/kubernetes/examples/certificate.yaml"
+    )));
+    let spec = &find(&cm, "Certificate", "baton-tls")["spec"];
+    let mut want: Vec<String> = ["dnsNames", "ipAddresses"]
+        .iter()
+        .flat_map(|k| spec[k].as_array().unwrap().iter())
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    want.sort();
+    assert_eq!(certificate_names(&generated.join("tls.crt")), want);
     // What the image holds: the release binary (`make test` builds it; the test's own build
     // otherwise), readable and executable by anyone.
     let bin_dir = tmp.path().join("image");
@@ -339,7 +566,8 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
     let bin = bin_dir.join("baton");
     let source = std::env::var("BATON_TEST_RELEASE_BIN").unwrap_or_else(|_| BIN.to_string());
     println!("image binary: {source}");
-    std::fs::copy(&source, &bin).unwrap();
+    std::fs::copy(&source, &bin)
+        .unwrap_or_else(|e| panic!("copying the image binary {source}: {e}"));
     for (p, mode) in [
         (tmp.path(), 0o755),
         (bin_dir.as_path(), 0o755),
@@ -363,46 +591,65 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
         }
         d.display().to_string()
     };
+    let secret_volumes = tmp.path().join("secret-volumes");
+    std::fs::create_dir_all(&secret_volumes).unwrap();
+    std::fs::set_permissions(&secret_volumes, std::fs::Permissions::from_mode(0o755)).unwrap();
     let config = &find(&objs, "ConfigMap", "baton-config")["data"];
     let coord = find(&objs, "StatefulSet", "baton");
     let worker = find(&objs, "Deployment", "baton-worker");
     let endpoints = etcd.endpoints().join(",");
+    let image = Image {
+        bin: &bin,
+        config,
+        secrets: &secrets,
+        volumes: &secret_volumes,
+    };
     let mut procs = Vec::new();
     let mut api = Vec::new();
+    let mut probes = Vec::new();
+    let mut coord_env = Vec::new();
     for i in 0..3 {
         let pod = format!("baton-{i}");
         let listen: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+        let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
         api.push(listen);
-        procs.push(start_as_image(
-            &bin,
+        probes.push(metrics);
+        let (p, env) = start_as_image(
+            &image,
             coord,
-            config,
             &pod,
             &[
                 ("BATON_ETCD_ENDPOINTS", endpoints.clone()),
                 ("BATON_LISTEN", listen.to_string()),
                 ("BATON_ADVERTISE", listen.to_string()),
-                ("BATON_METRICS_LISTEN", format!("127.0.0.1:{}", free_port())),
+                ("BATON_METRICS_LISTEN", metrics.to_string()),
                 ("BATON_STORAGE_DIR", scratch(&pod)),
             ],
             &tmp.path().join(format!("{pod}.log")),
-        ));
+        );
+        procs.push(p);
+        coord_env.push(env);
     }
+    // The worker's listener holds its job output: replicas reach it over TLS with their token.
     let worker_listen: SocketAddr = ([127, 0, 0, 1], free_port()).into();
-    procs.push(start_as_image(
-        &bin,
-        worker,
-        config,
-        "baton-worker-7d4f9-x2x8q",
-        &[
-            ("BATON_ETCD_ENDPOINTS", endpoints.clone()),
-            ("BATON_LISTEN", worker_listen.to_string()),
-            ("BATON_ADVERTISE", worker_listen.to_string()),
-            ("BATON_METRICS_LISTEN", format!("127.0.0.1:{}", free_port())),
-            ("BATON_STORAGE_DIR", scratch("baton-worker-7d4f9-x2x8q")),
-        ],
-        &tmp.path().join("worker.log"),
-    ));
+    let worker_metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    probes.push(worker_metrics);
+    procs.push(
+        start_as_image(
+            &image,
+            worker,
+            "baton-worker-7d4f9-x2x8q",
+            &[
+                ("BATON_ETCD_ENDPOINTS", endpoints.clone()),
+                ("BATON_LISTEN", worker_listen.to_string()),
+                ("BATON_ADVERTISE", worker_listen.to_string()),
+                ("BATON_METRICS_LISTEN", worker_metrics.to_string()),
+                ("BATON_STORAGE_DIR", scratch("baton-worker-7d4f9-x2x8q")),
+            ],
+            &tmp.path().join("worker.log"),
+        )
+        .0,
+    );
     let logs = || {
         let mut s = String::new();
         for f in std::fs::read_dir(tmp.path()).unwrap().flatten() {
@@ -412,13 +659,14 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
         }
         s
     };
-    for addr in api.iter().chain([&worker_listen]) {
-        for service in ["", "liveness"] {
+    // What the kubelet's probes ask.
+    for addr in &probes {
+        for path in ["/livez", "/readyz"] {
             let addr = *addr;
             wait_for(
-                &format!("{addr} to serve health {service:?}"),
+                &format!("{addr}{path} to answer 200"),
                 LONG,
-                || async move { (health_of(addr, service).await == Some(SERVING)).then_some(()) },
+                || async move { (http_status(addr, path).await == Some(200)).then_some(()) },
             )
             .await;
         }
@@ -430,10 +678,39 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
             logs()
         );
     }
+    // Without the token, nothing; in clear, nothing.
+    let mut anonymous = baton::proto::cluster_service_client::ClusterServiceClient::new(
+        baton::security::ClientSecurity {
+            tls: baton::security::ClientTlsFiles {
+                ca: Some(generated.join("ca.crt")),
+                cert: None,
+                key: None,
+            }
+            .config()
+            .unwrap(),
+            bearer: Default::default(),
+        }
+        .connect(
+            &api[0].to_string(),
+            Duration::from_secs(2),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap(),
+    );
+    let refused = anonymous
+        .get_leader(baton::proto::GetLeaderRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    assert!(get_leader_at(api[0]).await.is_err(), "plaintext was served");
     let leader = wait_for("a leader", LONG, || async {
         for a in &api {
-            if let Ok(r) = get_leader_at(*a).await {
-                return r.leader;
+            let mut c = baton::proto::cluster_service_client::ClusterServiceClient::new(
+                secured(*a, &generated).await,
+            );
+            if let Ok(r) = c.get_leader(baton::proto::GetLeaderRequest {}).await {
+                return r.into_inner().leader;
             }
         }
         None
@@ -441,14 +718,21 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
     .await;
     assert!(leader.replica_id.starts_with("baton-"), "{leader:?}");
     // A job runs on the worker: its folder lives in the worker's scratch volume.
-    let mut jobs = jobs_at(api[1]).await;
-    jobs.submit_job(baton::proto::SubmitJobRequest {
-        job_id: "image-job".into(),
-        spec: Some(sh("echo written as $(id -u) > \"$BATON_JOB_DIR/out\"; \
-             while [ ! -e \"$BATON_JOB_DIR/done\" ]; do sleep 0.1; done")),
-    })
-    .await
-    .unwrap();
+    let jobs = |i: usize| {
+        let (addr, dir) = (api[i], generated.clone());
+        async move { baton::proto::job_service_client::JobServiceClient::new(secured(addr, &dir).await) }
+    };
+    jobs(1)
+        .await
+        .submit_job(baton::proto::SubmitJobRequest {
+            job_id: "image-job".into(),
+            spec: Some(sh(
+                "echo written as $(id -u) | tee \"$BATON_JOB_DIR/out\"; \
+                 while [ ! -e \"$BATON_JOB_DIR/done\" ]; do sleep 0.1; done",
+            )),
+        })
+        .await
+        .unwrap();
     // Read while it runs: once it has a result, cleanup removes its folder.
     let job_dir = tmp
         .path()
@@ -464,9 +748,43 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
         nix::unistd::geteuid().as_raw()
     };
     assert_eq!(written.trim(), format!("written as {uid}"), "{}", logs());
+    // Its output through a coordinator, which reads it from the worker over TLS with the
+    // coordinators' token.
+    let output = wait_for("the job's output through a coordinator", LONG, || async {
+        let r = jobs(0)
+            .await
+            .get_job_logs(baton::proto::GetJobLogsRequest {
+                job_id: "image-job".into(),
+                ..Default::default()
+            })
+            .await
+            .ok()?
+            .into_inner();
+        let text = String::from_utf8_lossy(&r.content).into_owned();
+        text.contains("written as").then_some(text)
+    })
+    .await;
+    assert!(output.contains(&format!("written as {uid}")), "{output}");
+    // The CLI in a coordinator's pod (`kubectl exec baton-0 -- baton job get image-job`) works
+    // from the pod's variables alone, the API address aside.
+    let mut cli_env = coord_env[0].clone();
+    cli_env.insert("BATON_ENDPOINTS".into(), api[0].to_string());
+    let cli = Command::new(&bin)
+        .args(["job", "get", "image-job", "-o", "json"])
+        .env_clear()
+        .envs(&cli_env)
+        .output()
+        .unwrap();
+    assert!(
+        cli.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cli.stderr)
+    );
+    let shown: Value = serde_json::from_slice(&cli.stdout).unwrap();
+    assert_eq!(shown["submitted_by"], "ops", "{shown}");
     std::fs::write(job_dir.join("done"), "").unwrap();
     let j = wait_for("the job to finish", LONG, || async {
-        let j = jobs_at(api[2])
+        let j = jobs(2)
             .await
             .get_job(baton::proto::GetJobRequest {
                 job_id: "image-job".into(),
@@ -479,7 +797,7 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
     .await;
     assert_eq!(state(&j), JobState::Finished, "{j:?}\n{}", logs());
     println!(
-        "3 coordinators and a worker as uid {uid} from /: leader {}",
+        "3 coordinators and a worker as uid {uid} from /, over TLS with tokens: leader {}",
         leader.replica_id
     );
 }
@@ -589,17 +907,31 @@ async fn health_is_not_serving_while_cut_off_from_etcd_and_liveness_stays_servin
     let mut c = Cluster::start(Options {
         replicas: 1,
         proxied: true,
+        metrics: true,
         ..worker_opts(1, &[])
     });
     c.leader_index().await;
     c.wait_workers(&["w1"]).await;
     let targets = [
-        ("replica", c.replicas[0].listen(), &c.proxies[0]),
-        ("worker", c.workers[0].listen(), &c.worker_proxies[0]),
+        (
+            "replica",
+            c.replicas[0].listen(),
+            c.replica_metrics[0],
+            &c.proxies[0],
+        ),
+        (
+            "worker",
+            c.workers[0].listen(),
+            c.worker_metrics[0],
+            &c.worker_proxies[0],
+        ),
     ];
-    for (what, addr, proxy) in targets {
+    for (what, addr, http, proxy) in targets {
         for s in ["", "liveness"] {
             assert_eq!(health_of(addr, s).await, Some(SERVING), "{what} {s:?}");
+        }
+        for path in ["/livez", "/readyz"] {
+            assert_eq!(http_status(http, path).await, Some(200), "{what} {path}");
         }
         proxy.set_mode(Mode::Blackhole);
         let cut = Instant::now();
@@ -613,6 +945,9 @@ async fn health_is_not_serving_while_cut_off_from_etcd_and_liveness_stays_servin
         // 3 s without an answer plus a probe's 2 s bound, with room for a loaded machine.
         assert!(took < Duration::from_secs(15), "{what}: {took:?}");
         assert_eq!(health_of(addr, "liveness").await, Some(SERVING), "{what}");
+        // The HTTP probes say the same.
+        assert_eq!(http_status(http, "/readyz").await, Some(503), "{what}");
+        assert_eq!(http_status(http, "/livez").await, Some(200), "{what}");
         proxy.set_mode(Mode::Pass);
         wait_for(
             &format!("the {what} to report SERVING again"),
@@ -620,6 +955,7 @@ async fn health_is_not_serving_while_cut_off_from_etcd_and_liveness_stays_servin
             || async { (health_of(addr, "").await == Some(SERVING)).then_some(()) },
         )
         .await;
+        assert_eq!(http_status(http, "/readyz").await, Some(200), "{what}");
         println!("{what}: NOT_SERVING {} ms after the cut", ms(took));
     }
     // A draining worker is not ready, though etcd answers, and stays live until it exits.
@@ -635,6 +971,9 @@ async fn health_is_not_serving_while_cut_off_from_etcd_and_liveness_stays_servin
     )
     .await;
     assert_eq!(health_of(addr, "liveness").await, Some(SERVING));
+    let http = c.worker_metrics[0];
+    assert_eq!(http_status(http, "/readyz").await, Some(503));
+    assert_eq!(http_status(http, "/livez").await, Some(200));
     assert!(c.workers[0].try_exit().is_none(), "the drain lasts 60s");
     std::fs::write(out.join("go"), "").unwrap();
     let status = c.workers[0].wait_exit(LONG);

@@ -555,13 +555,25 @@ fn listening_beyond_loopback_without_tls_and_authentication_is_refused() {
     }
 }
 
-fn etcdctl(endpoint: &str, ca: &Path, user: Option<&str>, args: &[&str]) -> (bool, String) {
+/// etcd's client port requires a certificate signed by its CA once `--trusted-ca-file` is set,
+/// so etcdctl presents one (whose CN is no etcd user) and authenticates with `user` if given.
+fn etcdctl(
+    endpoint: &str,
+    tls: &(PathBuf, PathBuf, PathBuf),
+    user: Option<&str>,
+    args: &[&str],
+) -> (bool, String) {
+    let (ca, cert, key) = tls;
     let mut cmd = std::process::Command::new("etcdctl");
     cmd.env("ETCDCTL_API", "3")
         .args(["--endpoints", &format!("https://{endpoint}")])
         .arg("--cacert")
         .arg(ca)
-        .args(["--command-timeout", "10s"]);
+        .arg("--cert")
+        .arg(cert)
+        .arg("--key")
+        .arg(key)
+        .args(["--dial-timeout", "5s", "--command-timeout", "10s"]);
     if let Some(u) = user {
         cmd.args(["--user", u]);
     }
@@ -598,13 +610,16 @@ async fn baton_works_against_etcd_with_tls_and_a_user_limited_to_its_prefix() {
     )
     .unwrap_or_else(|e| panic!("cannot start etcd for the tests: {e}"));
     let ep = etcd.endpoints()[0].clone();
+    let (ctl_cert, ctl_key) = ca.issue(dir, "etcdctl", "etcdctl");
+    let ctl = (ca_pem.clone(), ctl_cert, ctl_key);
+    let (baton_cert, baton_key) = ca.issue(dir, "baton-client", "baton-client");
     let ok = |args: &[&str]| {
-        let (ok, out) = etcdctl(&ep, &ca_pem, None, args);
+        let (ok, out) = etcdctl(&ep, &ctl, None, args);
         assert!(ok, "etcdctl {args:?}: {out}");
     };
     ok(&["user", "add", "root:root-password"]);
-    let _ = etcdctl(&ep, &ca_pem, None, &["role", "add", "root"]);
-    let _ = etcdctl(&ep, &ca_pem, None, &["user", "grant-role", "root", "root"]);
+    let _ = etcdctl(&ep, &ctl, None, &["role", "add", "root"]);
+    let _ = etcdctl(&ep, &ctl, None, &["user", "grant-role", "root", "root"]);
     ok(&["role", "add", "baton"]);
     ok(&[
         "role",
@@ -620,7 +635,7 @@ async fn baton_works_against_etcd_with_tls_and_a_user_limited_to_its_prefix() {
     // The role really limits: outside the prefix, baton's user is refused.
     let (outside, _) = etcdctl(
         &ep,
-        &ca_pem,
+        &ctl,
         Some("baton:baton-password"),
         &["put", "/other", "x"],
     );
@@ -642,6 +657,10 @@ async fn baton_works_against_etcd_with_tls_and_a_user_limited_to_its_prefix() {
             s(&dir.join("storage")),
             "--etcd-ca".into(),
             s(&ca_pem),
+            "--etcd-cert".into(),
+            s(&baton_cert),
+            "--etcd-key".into(),
+            s(&baton_key),
             "--etcd-user".into(),
             "baton".into(),
             "--etcd-password-file".into(),
@@ -691,7 +710,7 @@ async fn baton_works_against_etcd_with_tls_and_a_user_limited_to_its_prefix() {
     .await;
     let (ok, out) = etcdctl(
         &ep,
-        &ca_pem,
+        &ctl,
         Some("baton:baton-password"),
         &["get", "--prefix", "--keys-only", "/baton/sec/"],
     );

@@ -6,7 +6,12 @@
 //!   shutting down. A follower is ready: it serves reads and submissions. A process cut off
 //!   from etcd turns NOT_SERVING about 5 s later (3 s without an answer, plus a probe's 2 s
 //!   bound) and SERVING again at the first answer; after SIGTERM it stays NOT_SERVING.
+//!
+//! The same two answers are served over plain HTTP as `/livez` and `/readyz` on
+//! `--metrics-listen` (see [`Ready`]), for probes that cannot speak gRPC over TLS (kubelet's).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
@@ -24,19 +29,39 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Not ready once no probe has been answered for this long.
 const UNREADY_AFTER: Duration = Duration::from_secs(3);
 
-/// Starts reporting: liveness at once, readiness (`""` and `services`) from etcd probes until
-/// `draining` fires, then NOT_SERVING for good.
+/// Readiness as the gRPC health service reports it, readable by the HTTP `/readyz`: false until
+/// the API serves, then it follows every change of the `""` service's status.
+#[derive(Clone, Debug, Default)]
+pub struct Ready(Arc<AtomicBool>);
+
+impl Ready {
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::Relaxed);
+    }
+}
+
+/// Starts reporting: liveness at once, readiness (`""` and `services`, and `ready`) from etcd
+/// probes until `draining` fires, then NOT_SERVING for good.
 pub async fn report(
     health: HealthReporter,
     store: Store,
     probe_key: String,
     services: Vec<&'static str>,
+    ready: Ready,
     draining: CancellationToken,
 ) {
     health
         .set_service_status(LIVENESS, ServingStatus::Serving)
         .await;
-    let readiness = Readiness { health, services };
+    let readiness = Readiness {
+        health,
+        services,
+        ready,
+    };
     // The caller reached etcd just before serving.
     readiness.set(ServingStatus::Serving).await;
     tokio::spawn(async move {
@@ -76,10 +101,12 @@ pub async fn report(
 struct Readiness {
     health: HealthReporter,
     services: Vec<&'static str>,
+    ready: Ready,
 }
 
 impl Readiness {
     async fn set(&self, status: ServingStatus) {
+        self.ready.set(status == ServingStatus::Serving);
         self.health.set_service_status("", status).await;
         for s in &self.services {
             self.health.set_service_status(*s, status).await;

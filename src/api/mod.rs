@@ -11,7 +11,7 @@ mod status;
 
 pub use cluster::ClusterApi;
 pub use fleet::FleetApi;
-pub use health::LIVENESS;
+pub use health::{Ready, LIVENESS};
 pub use jobs::{job_view, JobApi};
 pub use metrics::serve_metrics;
 
@@ -43,6 +43,8 @@ pub struct Services {
     /// Its embedded worker's logs, if it runs one.
     pub worker: Option<WorkerLogs>,
     pub security: Security,
+    /// What `/readyz` answers.
+    pub ready: Ready,
 }
 
 /// Serves until `stop` fires, then drains in-flight calls. Readiness follows etcd's reach and
@@ -63,6 +65,7 @@ pub async fn serve(
         fleet,
         worker,
         security,
+        ready: ready_flag,
     } = services;
     let mut ready = vec![
         service_name::<ClusterServiceServer<ClusterApi>>(),
@@ -72,7 +75,7 @@ pub async fn serve(
     if worker.is_some() {
         ready.push(service_name::<WorkerServiceServer<WorkerLogs>>());
     }
-    health::report(health, store, probe_key, ready, draining).await;
+    health::report(health, store, probe_key, ready, ready_flag, draining).await;
     // Both versions: grpcurl speaks v1, while Python's grpcio-reflection, Postman and older
     // grpcurl speak only v1alpha.
     let reflection = || {
@@ -117,20 +120,34 @@ pub async fn serve(
     }
 }
 
+/// What a worker serves: its job output, and readiness from etcd's reach.
+pub struct WorkerServices {
+    pub logs: WorkerLogs,
+    pub store: Store,
+    pub probe_key: String,
+    pub security: Security,
+    /// What `/readyz` answers.
+    pub ready: Ready,
+}
+
 /// A worker's listener: `grpc.health.v1` (liveness; readiness while etcd answers, until
 /// `draining` fires) and `baton.v1.WorkerService`, which the replicas read job output from.
 pub async fn serve_worker(
     listener: TcpListener,
-    logs: WorkerLogs,
-    store: Store,
-    probe_key: String,
-    security: Security,
+    services: WorkerServices,
     draining: CancellationToken,
     stop: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
+    let WorkerServices {
+        logs,
+        store,
+        probe_key,
+        security,
+        ready: ready_flag,
+    } = services;
     let (health, health_service) = tonic_health::server::health_reporter();
     let ready = vec![service_name::<WorkerServiceServer<WorkerLogs>>()];
-    health::report(health, store, probe_key, ready, draining).await;
+    health::report(health, store, probe_key, ready, ready_flag, draining).await;
     let router = Server::builder()
         .layer(AuthLayer::new(security.policy))
         .add_service(health_service)

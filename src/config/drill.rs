@@ -74,6 +74,9 @@ pub struct DrillArgs {
     /// Run guards that ignore lease deadlines: the drill must then report overlapping executions.
     #[arg(long, hide = true)]
     pub negative_control: bool,
+    /// Existing cluster: how to reach its secured API (`--token-file`, `--ca`, `--cert`, `--key`).
+    #[command(flatten)]
+    pub security: super::ClientSecurityArgs,
 }
 
 pub const ALL_FAULTS: &[&str] = &[

@@ -26,8 +26,13 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    #[error("etcd did not become ready within {0:?}; see the member logs under {1}")]
-    NotReady(Duration, PathBuf),
+    #[error("etcd did not become ready within {within:?} (logs under {}):\n{detail}", dir.display())]
+    NotReady {
+        within: Duration,
+        dir: PathBuf,
+        /// Which members were not ready, whether they had exited, and their logs' last lines.
+        detail: String,
+    },
     #[error("io error in {0}")]
     Io(PathBuf, #[source] std::io::Error),
 }
@@ -43,6 +48,33 @@ struct Member {
     child: Option<Child>,
 }
 
+impl Member {
+    fn fresh(dir: &Path, i: usize) -> Member {
+        Member {
+            name: format!("etcd-{i}"),
+            client_port: free_port(),
+            peer_port: free_port(),
+            metrics_port: free_port(),
+            data_dir: dir.join(format!("etcd-{i}.data")),
+            log: dir.join(format!("etcd-{i}.log")),
+            child: None,
+        }
+    }
+
+    /// What a failed start shows: whether it runs, and its log's last lines.
+    fn report(&mut self) -> String {
+        let state = match self.child.as_mut().map(|c| c.try_wait()) {
+            Some(Ok(Some(status))) => format!("exited ({status})"),
+            Some(_) => "running, not healthy".to_string(),
+            None => "not started".to_string(),
+        };
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        let tail = lines[lines.len().saturating_sub(5)..].join("\n  ");
+        format!("{}: {state}\n  {tail}", self.name)
+    }
+}
+
 /// A running etcd cluster. Dropping it kills every member.
 pub struct EtcdCluster {
     bin: PathBuf,
@@ -52,7 +84,8 @@ pub struct EtcdCluster {
     tls: Option<EtcdTls>,
 }
 
-/// TLS on the client port: the server's certificate and key, and the CA clients check it with.
+/// TLS on the client port: the server's certificate and key, and the CA that signs it and the
+/// client certificates etcd then requires (it asks for one once `--trusted-ca-file` is set).
 #[derive(Clone, Debug)]
 pub struct EtcdTls {
     pub cert: PathBuf,
@@ -75,29 +108,50 @@ impl EtcdCluster {
     ) -> Result<EtcdCluster, Error> {
         which(bin)?;
         std::fs::create_dir_all(dir).map_err(|e| Error::Io(dir.into(), e))?;
-        let members = (0..size.max(1))
-            .map(|i| Member {
-                name: format!("etcd-{i}"),
-                client_port: free_port(),
-                peer_port: free_port(),
-                metrics_port: free_port(),
-                data_dir: dir.join(format!("etcd-{i}.data")),
-                log: dir.join(format!("etcd-{i}.log")),
-                child: None,
-            })
-            .collect();
         let mut c = EtcdCluster {
             bin: bin.into(),
             dir: dir.into(),
             token: format!("baton-{}", std::process::id()),
-            members,
+            members: Vec::new(),
             tls,
         };
-        for i in 0..c.members.len() {
-            c.spawn(i)?;
+        // free_port() releases the port it found: another process may bind it before etcd
+        // does. A member that lost that race exits at once; a fresh cluster then starts over on
+        // new ports (nothing is lost: it holds no data yet).
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            c.members = (0..size.max(1)).map(|i| Member::fresh(dir, i)).collect();
+            for m in &c.members {
+                let _ = std::fs::remove_dir_all(&m.data_dir);
+                let _ = std::fs::remove_file(&m.log);
+            }
+            for i in 0..c.members.len() {
+                c.spawn(i)?;
+            }
+            match c.wait_ready(Duration::from_secs(30)) {
+                Err(e) if attempt < 3 && c.lost_a_port() => {
+                    tracing::warn!(error = %e, "an etcd port was taken before etcd bound it; starting over on new ports");
+                    for i in 0..c.members.len() {
+                        c.kill_member(i);
+                    }
+                }
+                r => return r.map(|()| c),
+            }
         }
-        c.wait_ready(Duration::from_secs(30))?;
-        Ok(c)
+    }
+
+    /// Whether a member exited because one of its ports was taken.
+    fn lost_a_port(&mut self) -> bool {
+        self.members.iter_mut().any(|m| {
+            let exited = m
+                .child
+                .as_mut()
+                .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))));
+            exited
+                && std::fs::read_to_string(&m.log)
+                    .is_ok_and(|l| l.contains("address already in use"))
+        })
     }
 
     fn initial_cluster(&self) -> String {
@@ -177,13 +231,29 @@ impl EtcdCluster {
     }
 
     /// Waits until every running member's `/health` says true (it does once raft has a leader).
-    pub fn wait_ready(&self, within: Duration) -> Result<(), Error> {
+    pub fn wait_ready(&mut self, within: Duration) -> Result<(), Error> {
         let deadline = Instant::now() + within;
-        for m in self.members.iter().filter(|m| m.child.is_some()) {
-            let addr = format!("127.0.0.1:{}", m.metrics_port);
+        for i in 0..self.members.len() {
+            if self.members[i].child.is_none() {
+                continue;
+            }
+            let addr = format!("127.0.0.1:{}", self.members[i].metrics_port);
             while !health_ok(&addr) {
-                if Instant::now() >= deadline {
-                    return Err(Error::NotReady(within, self.dir.clone()));
+                let exited = self.members[i]
+                    .child
+                    .as_mut()
+                    .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))));
+                if exited || Instant::now() >= deadline {
+                    let detail = self.members[i..]
+                        .iter_mut()
+                        .map(Member::report)
+                        .collect::<Vec<_>>()
+                        .join("\n");
+                    return Err(Error::NotReady {
+                        within,
+                        dir: self.dir.clone(),
+                        detail,
+                    });
                 }
                 std::thread::sleep(Duration::from_millis(50));
             }

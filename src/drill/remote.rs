@@ -86,7 +86,7 @@ pub async fn run(args: DrillArgs, seed: u64) -> anyhow::Result<i32> {
         endpoints: args.endpoints.clone(),
         timeout: Duration::from_secs(3),
         output: Output::Text,
-        security: Default::default(),
+        security: args.security.clone(),
     };
     let mut rng = Rng::new(seed);
     let replicas = candidates(&target)
