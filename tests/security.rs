@@ -358,6 +358,53 @@ async fn tokens_give_each_role_its_calls_on_the_leader_a_follower_and_a_worker()
     assert_ne!(rc, Some(0));
     assert!(err.contains("Unauthenticated"), "{err}");
 
+    // The tokens file is re-read when it changes: a removed token stops working on every
+    // process, a malformed version is ignored, the others go on.
+    let text = std::fs::read_to_string(&file).unwrap();
+    let tmp = write(secrets.path(), ".tokens.new", "not a tokens line\n");
+    std::fs::rename(&tmp, &file).unwrap();
+    let revoked: String = text
+        .lines()
+        .filter(|l| !l.starts_with(READ))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let list = |addr: String, t: &'static str| async move {
+        let mut j = JobServiceClient::new(chan(&addr, Some(t)).await);
+        code(j.list_jobs(ListJobsRequest::default()).await)
+    };
+    for r in &c.replicas {
+        wait_until(
+            "the malformed file to be seen",
+            Duration::from_secs(30),
+            || {
+                std::fs::read_to_string(r.log_path())
+                    .is_ok_and(|l| l.contains("changed but cannot be used"))
+            },
+        )
+        .await;
+        let addr = r.listen().to_string();
+        assert_eq!(
+            list(addr, READ).await,
+            Code::Ok,
+            "a bad file revoked tokens"
+        );
+    }
+    let tmp = write(secrets.path(), ".tokens.new", &revoked);
+    std::fs::rename(&tmp, &file).unwrap();
+    for i in [li, fi] {
+        let addr = c.replicas[i].listen().to_string();
+        wait_for(
+            "the read token to be revoked",
+            Duration::from_secs(30),
+            || {
+                let addr = addr.clone();
+                async move { (list(addr, READ).await == Code::Unauthenticated).then_some(()) }
+            },
+        )
+        .await;
+        assert_eq!(list(addr, SUBMIT).await, Code::Ok);
+    }
+
     // Audit lines name the caller; no log holds any part of a token.
     let logs: String = c
         .replicas
