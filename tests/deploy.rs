@@ -120,7 +120,7 @@ fn the_manifests_render_and_validate_against_the_kubernetes_schemas() {
         assert_eq!(has_etcd, with_etcd, "{dir}: etcd StatefulSet");
         for (kind, name) in [
             ("StatefulSet", "baton"),
-            ("Deployment", "baton-worker"),
+            ("StatefulSet", "baton-worker"),
             ("Service", "baton"),
             ("Service", "baton-api"),
             ("PodDisruptionBudget", "baton"),
@@ -132,9 +132,10 @@ fn the_manifests_render_and_validate_against_the_kubernetes_schemas() {
         }
         let coord = find(&objs, "StatefulSet", "baton");
         assert_eq!(coord["spec"]["replicas"], 3);
-        // Workers are named through their headless Service, so a certificate can name them.
-        let w = find(&objs, "Deployment", "baton-worker");
-        assert_eq!(w["spec"]["template"]["spec"]["subdomain"], "baton-worker");
+        // Workers are named through their headless Service, so a certificate can name them:
+        // only a StatefulSet's pods get those DNS records.
+        let w = find(&objs, "StatefulSet", "baton-worker");
+        assert_eq!(w["spec"]["serviceName"], "baton-worker");
         assert_eq!(
             find(&objs, "Service", "baton-worker")["spec"]["clusterIP"],
             "None"
@@ -147,7 +148,7 @@ fn the_manifests_render_and_validate_against_the_kubernetes_schemas() {
         assert_eq!(args[0], "serve");
         assert!(args.iter().any(|a| a == "--worker=false"), "{args:?}");
         // Workers get longer than their drain to leave, or Kubernetes SIGKILLs them mid-drain.
-        let worker = find(&objs, "Deployment", "baton-worker");
+        let worker = find(&objs, "StatefulSet", "baton-worker");
         let grace = worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
             .as_u64()
             .unwrap();
@@ -230,7 +231,7 @@ fn every_flag_and_variable_in_the_manifests_exists_in_its_commands_help() {
     let objs = objects(&render("deploy/kubernetes", tmp.path()));
     let config = &find(&objs, "ConfigMap", "baton-config")["data"];
     let mut checked = 0;
-    for (kind, name) in [("StatefulSet", "baton"), ("Deployment", "baton-worker")] {
+    for (kind, name) in [("StatefulSet", "baton"), ("StatefulSet", "baton-worker")] {
         let c = container(find(&objs, kind, name));
         let args: Vec<&str> = c["args"]
             .as_array()
@@ -596,7 +597,7 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
     std::fs::set_permissions(&secret_volumes, std::fs::Permissions::from_mode(0o755)).unwrap();
     let config = &find(&objs, "ConfigMap", "baton-config")["data"];
     let coord = find(&objs, "StatefulSet", "baton");
-    let worker = find(&objs, "Deployment", "baton-worker");
+    let worker = find(&objs, "StatefulSet", "baton-worker");
     let endpoints = etcd.endpoints().join(",");
     let image = Image {
         bin: &bin,
@@ -638,13 +639,13 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
         start_as_image(
             &image,
             worker,
-            "baton-worker-7d4f9-x2x8q",
+            "baton-worker-0",
             &[
                 ("BATON_ETCD_ENDPOINTS", endpoints.clone()),
                 ("BATON_LISTEN", worker_listen.to_string()),
                 ("BATON_ADVERTISE", worker_listen.to_string()),
                 ("BATON_METRICS_LISTEN", worker_metrics.to_string()),
-                ("BATON_STORAGE_DIR", scratch("baton-worker-7d4f9-x2x8q")),
+                ("BATON_STORAGE_DIR", scratch("baton-worker-0")),
             ],
             &tmp.path().join("worker.log"),
         )
@@ -703,7 +704,11 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
         .await
         .unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
-    assert!(get_leader_at(api[0]).await.is_err(), "plaintext was served");
+    // In clear, the call fails in transport: no gRPC status comes back at all.
+    let clear = get_leader_at(api[0]).await.unwrap_err();
+    for status in ["Unauthenticated", "PermissionDenied", "Unimplemented"] {
+        assert!(!clear.contains(status), "plaintext was served: {clear}");
+    }
     let leader = wait_for("a leader", LONG, || async {
         for a in &api {
             let mut c = baton::proto::cluster_service_client::ClusterServiceClient::new(
@@ -734,9 +739,7 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
         .await
         .unwrap();
     // Read while it runs: once it has a result, cleanup removes its folder.
-    let job_dir = tmp
-        .path()
-        .join("volumes/baton-worker-7d4f9-x2x8q/jobs/image-job");
+    let job_dir = tmp.path().join("volumes/baton-worker-0/jobs/image-job");
     wait_until("the job to write its file", LONG, || {
         std::fs::read_to_string(job_dir.join("out")).is_ok_and(|s| s.ends_with('\n'))
     })

@@ -66,6 +66,17 @@ impl EtcdArgs {
             c.tls = Some(tls);
         }
         if let (Some(user), Some(file)) = (&self.etcd_user, &self.etcd_password_file) {
+            if self.etcd_ca.is_none() {
+                if let Some(far) = self
+                    .etcd_endpoints
+                    .iter()
+                    .find(|e| !is_loopback_endpoint(e))
+                {
+                    return Err(ConfigError(format!(
+                        "--etcd-user without --etcd-ca would send the password to {far} in clear; give --etcd-ca"
+                    )));
+                }
+            }
             let password = String::from_utf8(read("--etcd-password-file", file)?)
                 .map_err(|_| ConfigError("--etcd-password-file is not UTF-8".into()))?;
             c.user = Some((
@@ -80,6 +91,19 @@ impl EtcdArgs {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct ConfigError(pub String);
+
+/// Whether an etcd endpoint (`host:port` or a URL) names this machine.
+fn is_loopback_endpoint(endpoint: &str) -> bool {
+    let rest = endpoint.split_once("://").map_or(endpoint, |(_, r)| r);
+    let host = match rest.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => rest.rsplit_once(':').map_or(rest, |(h, _)| h),
+    };
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
 
 /// The host name, or `replica` when it cannot be read.
 pub fn host_name() -> String {
@@ -125,5 +149,30 @@ pub fn validate_name(flag: &str, v: &str) -> Result<(), ConfigError> {
         Err(ConfigError(format!(
             "{flag} {v:?} must be 1 to 128 characters of [A-Za-z0-9._-]"
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_loopback_endpoint;
+
+    #[test]
+    fn loopback_endpoints_are_told_from_remote_ones() {
+        for e in [
+            "127.0.0.1:2379",
+            "localhost:2379",
+            "http://127.0.0.5:2379",
+            "[::1]:2379",
+        ] {
+            assert!(is_loopback_endpoint(e), "{e}");
+        }
+        for e in [
+            "10.0.0.1:2379",
+            "etcd-0.etcd:2379",
+            "https://etcd:2379",
+            "[2001:db8::1]:2379",
+        ] {
+            assert!(!is_loopback_endpoint(e), "{e}");
+        }
     }
 }

@@ -53,7 +53,9 @@ pub struct ClientSecurity {
 }
 
 impl ClientSecurity {
-    /// `addr` is `host:port` (https with TLS, http without) or a full URI.
+    /// `addr` is `host:port` (https with TLS, http without) or a full URI. With TLS set, an
+    /// `http://` URI is refused: tonic would dial it in clear and the token would travel
+    /// readable (an advertise address read from etcd is no reason to drop TLS).
     pub async fn connect(
         &self,
         addr: &str,
@@ -61,6 +63,9 @@ impl ClientSecurity {
         timeout: Duration,
     ) -> Result<AuthChannel, String> {
         let uri = match (addr.contains("://"), self.tls.is_some()) {
+            (true, true) if !addr.starts_with("https://") => return Err(format!(
+                "refusing {addr:?}: TLS is configured, so only https:// (or host:port) is dialled"
+            )),
             (true, _) => addr.to_string(),
             (false, true) => format!("https://{addr}"),
             (false, false) => format!("http://{addr}"),

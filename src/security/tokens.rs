@@ -73,10 +73,9 @@ impl TokenTable {
             };
             let name = match name {
                 Some(n) => n.to_string(),
-                None => format!(
-                    "token-{:02x}{:02x}{:02x}{:02x}",
-                    digest[0], digest[1], digest[2], digest[3]
-                ),
+                // Not from the digest: names are shown to every reader, and digest bits
+                // would help guess a weak token offline.
+                None => format!("token-line-{n}"),
             };
             entries.push(Entry { digest, role, name });
         }

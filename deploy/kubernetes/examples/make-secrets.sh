@@ -24,17 +24,18 @@ openssl x509 -req -in tls.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 90 
 rm -f tls.csr tls.ext ca.srl
 
 # One token per role for people and CI, and the coordinators' own (admin) token for the
-# workers' port; the tokens file keeps only that one's SHA-256.
+# workers' port. The tokens file keeps only their SHA-256: it is mounted where jobs run (the
+# workers), and a digest is no token.
 token() { openssl rand -hex 32; }
+digest() { tr -d '\n' < "$1" | openssl dgst -sha256 -r | cut -d' ' -f1; }
 for role in read submit admin; do token > "$role.token"; done
 token > peer-token
-peer=$(tr -d '\n' < peer-token | openssl dgst -sha256 -r | cut -d' ' -f1)
 {
-  echo "# token role name"
-  echo "$(cat read.token) read viewer"
-  echo "$(cat submit.token) submit ci"
-  echo "$(cat admin.token) admin ops"
-  echo "sha256:$peer admin coordinators"
+  echo "# sha256:<digest of the token> role name"
+  echo "sha256:$(digest read.token) read viewer"
+  echo "sha256:$(digest submit.token) submit ci"
+  echo "sha256:$(digest admin.token) admin ops"
+  echo "sha256:$(digest peer-token) admin coordinators"
 } > tokens
 
 cat <<MSG
