@@ -63,9 +63,11 @@ impl ClientSecurity {
         timeout: Duration,
     ) -> Result<AuthChannel, String> {
         let uri = match (addr.contains("://"), self.tls.is_some()) {
-            (true, true) if !addr.starts_with("https://") => return Err(format!(
+            (true, true) if !addr.starts_with("https://") => {
+                return Err(format!(
                 "refusing {addr:?}: TLS is configured, so only https:// (or host:port) is dialled"
-            )),
+            ))
+            }
             (true, _) => addr.to_string(),
             (false, true) => format!("https://{addr}"),
             (false, false) => format!("http://{addr}"),
