@@ -5,9 +5,10 @@
 //! does: the job actor, recovery, cleanup), `exec` (the spawner and the lease guard, which know
 //! nothing of leadership), `jobs` (specs and stored records), `api` (gRPC), `cli` (client
 //! commands), `server` (one replica wired together), `devcluster` (local clusters for `baton
-//! dev`, drills and tests), `rolelog` (the audit trail of leadership), `metrics` (what Prometheus scrapes).
+//! dev`, drills, benchmarks and tests), `bench` (`baton bench`), `rolelog` (the audit trail of leadership), `metrics` (what Prometheus scrapes).
 
 pub mod api;
+pub mod bench;
 pub mod cli;
 pub mod clock;
 pub mod config;

@@ -55,6 +55,7 @@ fn main() -> ExitCode {
                 }
                 Ok(())
             }
+            Command::Bench(args) => baton::bench::run(*args).await,
             Command::Guard(_) => unreachable!("handled above"),
         }
     });

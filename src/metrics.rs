@@ -72,6 +72,7 @@ pub struct Metrics {
     pub corrupt_values: IntCounter,
     pub submit_seconds: Histogram,
     etcd_seconds: HistogramVec,
+    batch_writes: HistogramVec,
     restarts: IntCounterVec,
     probes: Mutex<BTreeMap<String, Probe>>,
 }
@@ -130,6 +131,16 @@ impl Metrics {
         )
         .expect("valid metric");
         reg(Box::new(etcd_seconds.clone()));
+        let batch_writes = HistogramVec::new(
+            HistogramOpts::new(
+                "baton_etcd_batch_writes",
+                "Writes committed together in one etcd transaction (group commit), by committer.",
+            )
+            .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]),
+            &["op"],
+        )
+        .expect("valid metric");
+        reg(Box::new(batch_writes.clone()));
         let restarts = IntCounterVec::new(
             Opts::new(
                 "baton_job_restarts_total",
@@ -202,6 +213,7 @@ impl Metrics {
             ),
             submit_seconds,
             etcd_seconds,
+            batch_writes,
             restarts,
             probes: Mutex::new(BTreeMap::new()),
             registry,
@@ -216,6 +228,13 @@ impl Metrics {
         self.etcd_seconds
             .with_label_values(&[op])
             .observe(took.as_secs_f64());
+    }
+
+    /// One group-commit transaction of `op` carried `writes` writes.
+    pub fn group_commit(&self, op: &str, writes: usize) {
+        self.batch_writes
+            .with_label_values(&[op])
+            .observe(writes as f64);
     }
 
     pub fn restarted(&self, cause: Restart) {

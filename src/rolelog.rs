@@ -65,6 +65,23 @@ pub fn stepped_down(
     );
 }
 
+/// A new term has taken in what it found at its start: `part` is `registry` (every entry
+/// adopted, waiting for a slot, or due for a later look) or `cleanups` (every dirty result
+/// queued for cleanup). `entries`: how many.
+pub fn recovered(replica: &str, term: i64, lease: i64, part: &str, entries: usize) {
+    tracing::info!(
+        target: TARGET,
+        event = "recovered",
+        replica,
+        term,
+        lease,
+        part,
+        entries = entries as u64,
+        boottime_ns = BootInstant::now().as_nanos(),
+        "recovered"
+    );
+}
+
 pub fn lease_proven(replica: &str, lease: i64, sent: BootInstant, valid_until: BootInstant) {
     tracing::info!(
         target: TARGET,
@@ -101,6 +118,12 @@ pub struct RoleEvent {
     /// On `stepped_down`: the longest time without an answered keepalive.
     #[serde(default)]
     pub longest_keepalive_gap_ms: Option<u64>,
+    /// On `recovered`: `registry` or `cleanups`.
+    #[serde(default)]
+    pub part: Option<String>,
+    /// On `recovered`: how many entries.
+    #[serde(default)]
+    pub entries: Option<u64>,
 }
 
 /// Reads the role events out of JSON log text; lines of other targets are skipped. A role line
@@ -224,6 +247,8 @@ mod tests {
             reason: None,
             last_keepalive_ns: None,
             longest_keepalive_gap_ms: None,
+            part: None,
+            entries: None,
         }
     }
 

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use baton::clock::BootInstant;
 use baton::election::{self, Commit, ElectionConfig, FenceError, Lease, Role};
-use baton::store::{EtcdConfig, Keys, Store};
-use etcd_client::{Compare, CompareOp, LeaderKey, TxnOp};
+use baton::store::{EtcdConfig, Keys, Store, Write};
+use etcd_client::LeaderKey;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -66,11 +66,10 @@ async fn the_fence_tells_a_lost_term_from_a_conflict_and_ends_the_term() {
     assert!(term.is_valid());
 
     let key = "/baton/fence/probe";
-    let absent = Compare::version(key, CompareOp::Equal, 0);
-    let put = || vec![TxnOp::put(key, "1", None)];
-    let first = term.commit(vec![absent.clone()], put()).await.unwrap();
+    let put = || Write::new().when_absent(key).put(key, "1");
+    let first = term.commit(put()).await.unwrap();
     assert!(matches!(first, Commit::Applied { .. }));
-    let second = term.commit(vec![absent], put()).await.unwrap();
+    let second = term.commit(put()).await.unwrap();
     assert!(
         matches!(second, Commit::Conflict(_)),
         "a failed per-key compare is a conflict"
@@ -80,12 +79,12 @@ async fn the_fence_tells_a_lost_term_from_a_conflict_and_ends_the_term() {
     // Depose it behind its back: the election key disappears.
     let mut client = store.client();
     client.delete(term.key(), None).await.unwrap();
-    let lost = term.commit(vec![], put()).await;
+    let lost = term.commit(Write::new().put(key, "2")).await;
     assert!(matches!(lost, Err(FenceError::Deposed { .. })), "{lost:?}");
     assert!(term.has_ended() && !term.is_valid());
     assert!(matches!(term.check(), Err(FenceError::Deposed { .. })));
     assert!(matches!(
-        term.commit(vec![], put()).await,
+        term.commit(Write::new().put(key, "2")).await,
         Err(FenceError::Deposed { .. })
     ));
 

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::time::Duration;
 
-use etcd_client::WatchOptions;
+use etcd_client::{EventType, WatchOptions};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
@@ -15,7 +15,8 @@ use crate::jobs::{self, Snapshot, State};
 use crate::proto::{self, job_service_server::JobService};
 use crate::security::{caller_name, ClientSecurity};
 use crate::store::codec;
-use crate::store::{Keys, Store};
+use crate::store::group::Limits;
+use crate::store::{GroupCommit, Keys, Store};
 
 /// Largest request the job API decodes; the stored spec limit is far below.
 pub const MAX_REQUEST_BYTES: usize = 256 * 1024;
@@ -27,15 +28,21 @@ pub struct JobApi {
     replica_id: String,
     /// How this replica calls workers for their logs.
     peer: ClientSecurity,
+    /// Concurrent submissions to this replica share etcd transactions.
+    submits: GroupCommit,
 }
 
 impl JobApi {
+    /// Must be called on the runtime: it starts the replica's submission committer.
     pub fn new(store: Store, keys: Keys, replica_id: String, peer: ClientSecurity) -> Self {
+        let (submits, run) = GroupCommit::new(store.clone(), None, "submit", Limits::default());
+        tokio::spawn(run);
         Self {
             store,
             keys,
             replica_id,
             peer,
+            submits,
         }
     }
 }
@@ -249,7 +256,7 @@ impl JobService for JobApi {
         } else {
             req.job_id
         };
-        let done = jobs::submit(&self.store, &self.keys, &id, spec, &caller).await?;
+        let done = jobs::submit(&self.submits, &self.keys, &id, spec, &caller).await?;
         tracing::info!(target: "baton::audit", action = "submit", job_id = %id, caller = %caller, created = done.created, replica = %self.replica_id, "job submitted");
         Ok(Response::new(proto::SubmitJobResponse {
             job: Some(job_view(&done.snapshot)),
@@ -482,7 +489,11 @@ fn parse_token(t: &str) -> Result<(i64, String), Status> {
     Ok((rev, id.to_string()))
 }
 
-/// Sends the job each time it changes, until its cleanup is done.
+/// Sends the job each time it changes, until its cleanup is done. Each update is the first
+/// snapshot brought forward by the watch's events: no read per change. Each key has a watcher
+/// of its own, so the events of one transaction may come apart: a snapshot caught between them
+/// (no state, or an entry without its spec) is read whole once instead, and events the read
+/// already covers are skipped.
 async fn watch_loop(
     store: &Store,
     keys: &Keys,
@@ -491,23 +502,27 @@ async fn watch_loop(
 ) -> Result<(), Status> {
     let id = first.id.clone();
     let mut last = job_view(&first);
-    let mut rev = first.revision;
-    if tx.send(Ok(last.clone())).await.is_err() || first.is_clean() {
+    let mut read_at = first.revision;
+    let mut snap = first;
+    if tx.send(Ok(last.clone())).await.is_err() || snap.is_clean() {
         return Ok(());
     }
     let k = keys.job(&id);
     let mut client = store.client();
-    let opts = |rev: i64| Some(WatchOptions::new().with_start_revision(rev + 1));
-    let mut stream = client
-        .watch(k.spec.clone(), opts(rev))
-        .await
-        .map_err(|e| Status::unavailable(format!("cannot watch job {id}: {e}")))?;
-    for key in [&k.registry, &k.dirty, &k.clean, &k.cancel] {
-        stream
-            .watch(key.clone(), opts(rev))
-            .await
-            .map_err(|e| Status::unavailable(format!("cannot watch job {id}: {e}")))?;
+    let from = snap.revision + 1;
+    let opts = || Some(WatchOptions::new().with_start_revision(from));
+    let cannot = |e: etcd_client::Error| Status::unavailable(format!("cannot watch job {id}: {e}"));
+    let mut stream = client.watch(k.spec.clone(), opts()).await.map_err(cannot)?;
+    for key in [&k.registry, &k.dirty, &k.clean, &k.cancel, &k.cleanup_now] {
+        stream.watch(key.clone(), opts()).await.map_err(cannot)?;
     }
+    stream
+        .watch(
+            keys.attempts_of(&id),
+            Some(WatchOptions::new().with_prefix().with_start_revision(from)),
+        )
+        .await
+        .map_err(cannot)?;
     loop {
         let msg = tokio::select! {
             m = stream.message() => m,
@@ -520,20 +535,26 @@ async fn watch_loop(
                         "the watch fell behind etcd's compaction; watch again",
                     ));
                 }
-                let Some(at) = resp
-                    .events()
-                    .iter()
-                    .filter_map(|e| e.kv())
-                    .map(|kv| kv.mod_revision())
-                    .max()
-                else {
-                    continue;
-                };
-                if at <= rev {
+                if resp.events().is_empty() {
                     continue;
                 }
-                let snap = jobs::read(store, keys, &id).await?;
-                rev = snap.revision;
+                for ev in resp.events() {
+                    match ev.kv() {
+                        Some(kv) if kv.mod_revision() > read_at => {
+                            snap.apply(keys, ev.event_type() == EventType::Delete, kv)
+                        }
+                        _ => {}
+                    }
+                }
+                let torn =
+                    snap.state().is_none() || (snap.registry.is_some() && snap.spec.is_none());
+                if torn {
+                    snap = jobs::read(store, keys, &id).await?;
+                    read_at = snap.revision;
+                    if !snap.exists() {
+                        return Ok(());
+                    }
+                }
                 let view = job_view(&snap);
                 let changed = proto::Job {
                     revision: 0,
@@ -548,7 +569,7 @@ async fn watch_loop(
                     }
                     last = view;
                 }
-                if snap.is_clean() || !snap.exists() {
+                if snap.is_clean() {
                     return Ok(());
                 }
             }

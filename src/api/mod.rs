@@ -18,9 +18,9 @@ pub use metrics::serve_metrics;
 use std::net::SocketAddr;
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::server::NamedService;
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 
 use crate::security::{AuthLayer, Security};
@@ -111,10 +111,7 @@ pub async fn serve(
         }
         None => {
             router
-                .serve_with_incoming_shutdown(
-                    TcpListenerStream::new(listener),
-                    stop.cancelled_owned(),
-                )
+                .serve_with_incoming_shutdown(plain(listener), stop.cancelled_owned())
                 .await
         }
     }
@@ -163,13 +160,16 @@ pub async fn serve_worker(
         }
         None => {
             router
-                .serve_with_incoming_shutdown(
-                    TcpListenerStream::new(listener),
-                    stop.cancelled_owned(),
-                )
+                .serve_with_incoming_shutdown(plain(listener), stop.cancelled_owned())
                 .await
         }
     }
+}
+
+/// Plain TCP connections, with Nagle's algorithm off: an answer must not wait for the client's
+/// delayed ACK (40 ms a request on an idle connection).
+fn plain(listener: TcpListener) -> TcpIncoming {
+    TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
 fn service_name<S: NamedService>() -> &'static str {

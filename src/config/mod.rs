@@ -8,12 +8,14 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+mod bench;
 mod common;
 mod drill;
 mod security;
 mod serve;
 mod worker;
 
+pub use bench::{BenchArgs, ALL_SCENARIOS};
 pub use common::{validate_name, ConfigError, EtcdArgs};
 pub use drill::{DrillArgs, ALL_FAULTS};
 pub use security::{ClientSecurityArgs, SecurityArgs};
@@ -64,6 +66,9 @@ pub enum Command {
     },
     /// Run a failover drill: workload, faults, then every invariant checked.
     Drill(Box<DrillArgs>),
+    /// Measure Baton against raw etcd on a private cluster: submissions, end-to-end jobs,
+    /// recovery, failover, footprint.
+    Bench(Box<BenchArgs>),
     /// The lease guard that runs each job (started by the leader, not by hand).
     #[command(name = "__guard", hide = true)]
     Guard(crate::exec::guard::GuardArgs),

@@ -1,28 +1,36 @@
 //! The job actor of one term: it owns every decision about which job goes to which worker,
 //! while etcd reads and fenced writes run as per-job transitions (at most one in flight per
-//! job) whose outcome comes back to it. It assigns within the workers' free slots (the most
-//! free first, as counted in its own table until an attempt's end is consumed) and the start
-//! budget, in submission order.
+//! job, at most [`TRANSITIONS_AT_ONCE`] at all) whose outcome comes back to it. It assigns
+//! within the workers' free slots (the most free first, as counted in its own table until an
+//! attempt's end is consumed) and the start budget, in submission order.
+//!
+//! Watch events cost a read only when they can need a write: the echo of the actor's own
+//! assignment, a `started` record of an assignment it knows, and deletions (a job's end, which
+//! this term wrote) are taken as they are. Recovery hands over what its pages show, so
+//! adopting a running job costs no read of its own.
 //!
 //! The actor runs no process: a term that ends stops nothing. The workers keep running what
 //! they were given; the next term adopts it.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use etcd_client::{EventType, WatchOptions};
-use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
 use super::fleet::{Fleet, Pick, Selector, WorkerView};
-use super::transition::{transition, Outcome};
-use super::{cleanup, recovery, Ctx, Writer};
+use super::recovery::{self, Found, FoundJob};
+use super::transition::{self, transition, Outcome};
+use super::{cleanup, Ctx, Writer};
 use crate::election::Term;
-use crate::jobs::records;
-use crate::jobs::work::{WorkerRecord, WORKER_VERSION};
+use crate::jobs::records::{self, RegistryStatus};
+use crate::jobs::work::{
+    AttemptRecord, AttemptState, WorkerRecord, ATTEMPT_VERSION, WORKER_VERSION,
+};
 use crate::metrics;
+use crate::rolelog;
 use crate::store::{codec, Keys};
 
 /// Leads one term: recovery, then the watches, until the term ends.
@@ -38,30 +46,33 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
         used: HashMap::new(),
         inflight: HashSet::new(),
         recheck: HashSet::new(),
+        ready: VecDeque::new(),
         waiting: BTreeSet::new(),
         selectors: HashMap::new(),
         budget_blocked: false,
         timers: BTreeMap::new(),
+        rechecks: BTreeMap::new(),
         tasks: JoinSet::new(),
         task_jobs: HashMap::new(),
-        limit: Arc::new(Semaphore::new(TRANSITIONS_AT_ONCE)),
+        recovery: Some(Recovering::default()),
     };
     'resync: loop {
-        let (rev, ids, dirty, workers) = tokio::select! {
-            r = recovery::recover(&ctx, &term) => r,
+        let mut take = |found| actor.take(found);
+        let recovered = tokio::select! {
+            r = recovery::recover(&ctx, &term, &mut take) => r,
             _ = term.ended() => break 'resync,
+        };
+        let Some(rev) = recovered else {
+            break 'resync;
         };
         tracing::info!(
             revision = rev,
-            jobs = ids.len(),
-            dirty = dirty,
-            workers = workers.len(),
+            running = actor.assigned.len(),
+            waiting = actor.waiting.len(),
+            looking = actor.inflight.len(),
             "recovered registry"
         );
-        actor.fleet.lock().expect("fleet lock").reset(workers);
-        for id in ids {
-            actor.reconcile(id);
-        }
+        actor.pages_done();
         let mut client = ctx.store.client();
         let opts = || {
             WatchOptions::new()
@@ -99,12 +110,32 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
         let mut sweep = tokio::time::interval(Duration::from_secs(1));
         let mut sweeps: u64 = 0;
         loop {
-            let next_timer = actor.timers.keys().next().copied();
+            let next_timer = [
+                actor.timers.keys().next().copied(),
+                actor.rechecks.keys().next().copied(),
+            ]
+            .into_iter()
+            .flatten()
+            .min();
             let sleep = records::sleep_until_ms(next_timer);
             let budget = actor.budget_wakeup();
+            // Outcomes before events: the echo of a write is then known as its own.
             tokio::select! {
                 biased;
                 _ = term.ended() => break 'resync,
+                Some(done) = actor.tasks.join_next_with_id() => {
+                    let (task, (id, pick, outcome)) = match done {
+                        Ok((task, out)) => (task, out),
+                        Err(e) => {
+                            // A transition that panicked: free its job and slot, look again later.
+                            let Some((id, pick)) = actor.task_jobs.get(&e.id()).cloned() else { continue };
+                            tracing::error!(job_id = %id, error = %e, "job transition failed");
+                            (e.id(), (id, pick, Outcome::Retry))
+                        }
+                    };
+                    actor.task_jobs.remove(&task);
+                    actor.settle(id, pick, outcome);
+                }
                 msg = stream.message() => match msg {
                     Ok(Some(resp)) => {
                         if resp.canceled() || resp.compact_revision() > 0 {
@@ -121,19 +152,6 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
                         continue 'resync;
                     }
                 },
-                Some(done) = actor.tasks.join_next_with_id() => {
-                    let (task, (id, pick, outcome)) = match done {
-                        Ok((task, out)) => (task, out),
-                        Err(e) => {
-                            // A transition that panicked: free its job and slot, look again later.
-                            let Some((id, pick)) = actor.task_jobs.get(&e.id()).cloned() else { continue };
-                            tracing::error!(job_id = %id, error = %e, "job transition failed");
-                            (e.id(), (id, pick, Outcome::Retry))
-                        }
-                    };
-                    actor.task_jobs.remove(&task);
-                    actor.settle(id, pick, outcome);
-                }
                 _ = sleep => actor.fire_timers(),
                 _ = sweep.tick() => {
                     actor.fill_slots();
@@ -154,16 +172,34 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
 
 type Incarnation = (String, i64);
 
+/// A RUNNING job as the actor counts it: its worker incarnation and assignment token.
+struct Assigned {
+    inc: Incarnation,
+    token: i64,
+}
+
+/// The first recovery of a term, until every entry it found has been decided.
+#[derive(Default)]
+struct Recovering {
+    entries: usize,
+    /// Entries whose first transition has not settled yet.
+    open: HashSet<String>,
+    pages_done: bool,
+}
+
 struct Actor {
     ctx: Arc<Ctx>,
     writer: Writer,
     fleet: Arc<Mutex<Fleet>>,
-    /// RUNNING jobs and the worker incarnation each runs on, until their end is consumed.
-    assigned: HashMap<String, Incarnation>,
+    /// RUNNING jobs, until their end is consumed.
+    assigned: HashMap<String, Assigned>,
     /// Slots taken per worker incarnation: assigned jobs plus reservations in flight.
     used: HashMap<Incarnation, usize>,
+    /// Jobs with a transition queued or running.
     inflight: HashSet<String>,
     recheck: HashSet<String>,
+    /// Transitions waiting for one of the [`TRANSITIONS_AT_ONCE`] places, in order.
+    ready: VecDeque<(String, Option<Pick>)>,
     /// PENDING jobs waiting for a slot or the start budget, in submission (incarnation) order.
     waiting: BTreeSet<(i64, String)>,
     /// The selectors of waiting jobs that have one: those wait only for matching workers, and
@@ -171,17 +207,20 @@ struct Actor {
     selectors: HashMap<String, Selector>,
     /// The last fill stopped at the start budget with a job that could take a slot.
     budget_blocked: bool,
+    /// Looks at PENDING jobs (backoff) and retries, by Unix ms.
     timers: BTreeMap<u64, HashSet<String>>,
+    /// Looks at RUNNING jobs (assign timeout, a gone worker's TTL), by Unix ms, for one
+    /// assignment token each: moot once that assignment has ended.
+    rechecks: BTreeMap<u64, Vec<(String, i64)>>,
     tasks: JoinSet<(String, Option<Pick>, Outcome)>,
     /// Which job (and which reserved slot) each transition task is for.
     task_jobs: HashMap<tokio::task::Id, (String, Option<Pick>)>,
-    /// Transitions talking to etcd at once: a lost worker with hundreds of jobs, or a
-    /// recovery, queues its reads here instead of sending them all at once, which timed etcd
-    /// out and cost leases.
-    limit: Arc<Semaphore>,
+    recovery: Option<Recovering>,
 }
 
-/// See [`Actor::limit`].
+/// Transitions talking to etcd at once: a lost worker with hundreds of jobs, or a recovery,
+/// queues its reads instead of sending them all at once, which timed etcd out and cost
+/// leases; queued ones hold no task, so 100,000 of them cost little memory.
 const TRANSITIONS_AT_ONCE: usize = 64;
 
 /// A random delay below `max_ms`.
@@ -193,49 +232,161 @@ fn jitter_ms(max_ms: u64) -> u64 {
 }
 
 impl Actor {
+    /// Takes in what recovery's pages show.
+    fn take(&mut self, found: Found) {
+        match found {
+            Found::Workers(workers) => self.fleet.lock().expect("fleet lock").reset(workers),
+            Found::Jobs(page) => {
+                for job in page {
+                    self.take_job(job);
+                }
+                self.fill_slots();
+            }
+        }
+    }
+
+    /// Decides a recovered entry from the pages alone when no write is needed.
+    fn take_job(&mut self, j: FoundJob) {
+        if let Some(r) = &mut self.recovery {
+            r.entries += 1;
+        }
+        if self.inflight.contains(&j.id) {
+            self.recheck.insert(j.id);
+            return;
+        }
+        let decided = match (j.entry.status, &j.entry.worker) {
+            _ if j.cancelled => None,
+            (RegistryStatus::Pending, _) if j.entry.not_before_ms > records::now_ms() => {
+                Some(Outcome::Later(j.entry.not_before_ms))
+            }
+            // Its selector, if any, is met when a slot is offered (the spec is read then).
+            (RegistryStatus::Pending, _) => Some(Outcome::NeedSlot(j.incarnation, Selector::new())),
+            (RegistryStatus::Running, Some(worker))
+                if matches!(j.attempt, None | Some(AttemptState::Started)) =>
+            {
+                let mut f = self.fleet.lock().expect("fleet lock");
+                let started = j.attempt.is_some();
+                transition::adopt(&mut f, worker, &j.entry, j.registry_rev, started).ok()
+            }
+            _ => None,
+        };
+        match decided {
+            Some(outcome) => self.apply(j.id, outcome),
+            None => {
+                if let Some(r) = &mut self.recovery {
+                    r.open.insert(j.id.clone());
+                }
+                self.reconcile(j.id);
+            }
+        }
+    }
+
+    /// Every recovery page has been taken.
+    fn pages_done(&mut self) {
+        if let Some(r) = &mut self.recovery {
+            r.pages_done = true;
+        }
+        self.report_recovered();
+    }
+
+    /// Logs the role event once every entry of the term's first recovery is decided.
+    fn report_recovered(&mut self) {
+        let Some(r) = &self.recovery else { return };
+        if !r.pages_done || !r.open.is_empty() {
+            return;
+        }
+        let term = self.writer.term();
+        rolelog::recovered(
+            &self.ctx.config.replica_id,
+            term.revision(),
+            term.lease_id(),
+            "registry",
+            r.entries,
+        );
+        self.recovery = None;
+    }
+
     fn event(&mut self, kind: EventType, kv: &etcd_client::KeyValue) {
         let keys = &self.ctx.keys;
         if let Some(wid) = Keys::id_in(&keys.workers(), kv.key()) {
             let wid = wid.to_string();
-            let went = match kind {
-                EventType::Put => {
-                    let Ok(record) =
-                        codec::decode::<WorkerRecord>(kv.key(), kv.value(), WORKER_VERSION)
-                    else {
-                        return;
-                    };
-                    let view = WorkerView {
-                        rev: kv.create_revision(),
-                        mod_rev: kv.mod_revision(),
-                        record,
-                    };
-                    self.fleet.lock().expect("fleet lock").put(view)
-                }
-                EventType::Delete => self.fleet.lock().expect("fleet lock").delete(&wid),
-            };
-            if let Some(rev) = went {
-                tracing::info!(worker = %wid, incarnation = rev, "worker gone");
-                let jobs: Vec<String> = self
-                    .assigned
-                    .iter()
-                    .filter(|(_, inc)| inc.0 == wid && inc.1 == rev)
-                    .map(|(j, _)| j.clone())
-                    .collect();
-                for j in jobs {
-                    self.reconcile(j);
-                }
-            }
-            self.fill_slots();
+            self.worker_event(kind, wid, kv);
             return;
         }
-        let id = Keys::id_in(&keys.registry(), kv.key())
-            .or_else(|| Keys::id_in(&keys.cancel(), kv.key()))
-            .or_else(|| {
-                Keys::id_in(&keys.attempts(), kv.key()).and_then(|rest| rest.split('/').next())
-            });
-        if let Some(id) = id {
-            self.reconcile(id.to_string());
+        if kind == EventType::Delete {
+            // Only this term deletes registry entries and attempt records (with a job's result)
+            // and cancel requests (with its cleanup): nothing to look at.
+            return;
         }
+        if let Some(id) = Keys::id_in(&keys.registry(), kv.key()) {
+            let own_echo = self
+                .assigned
+                .get(id)
+                .is_some_and(|a| a.token == kv.mod_revision());
+            if !own_echo {
+                self.reconcile(id.to_string());
+            }
+        } else if let Some(id) = Keys::id_in(&keys.cancel(), kv.key()) {
+            self.reconcile(id.to_string());
+        } else if let Some((id, token)) = Keys::id_in(&keys.attempts(), kv.key())
+            .and_then(|rest| rest.split_once('/'))
+            .and_then(|(id, t)| Some((id.to_string(), t.parse::<i64>().ok()?)))
+        {
+            if !self.started_as_known(&id, token, kv) {
+                self.reconcile(id);
+            }
+        }
+    }
+
+    /// A `started` record of an assignment this term counts as running changes nothing but
+    /// the worker's standing.
+    fn started_as_known(&mut self, id: &str, token: i64, kv: &etcd_client::KeyValue) -> bool {
+        let Some(a) = self.assigned.get(id).filter(|a| a.token == token) else {
+            return false;
+        };
+        let Ok(rec) = codec::decode::<AttemptRecord>(kv.key(), kv.value(), ATTEMPT_VERSION) else {
+            return false;
+        };
+        if rec.state != AttemptState::Started {
+            return false;
+        }
+        self.fleet
+            .lock()
+            .expect("fleet lock")
+            .trust(&a.inc.0, a.inc.1);
+        true
+    }
+
+    fn worker_event(&mut self, kind: EventType, wid: String, kv: &etcd_client::KeyValue) {
+        let went = match kind {
+            EventType::Put => {
+                let Ok(record) =
+                    codec::decode::<WorkerRecord>(kv.key(), kv.value(), WORKER_VERSION)
+                else {
+                    return;
+                };
+                let view = WorkerView {
+                    rev: kv.create_revision(),
+                    mod_rev: kv.mod_revision(),
+                    record,
+                };
+                self.fleet.lock().expect("fleet lock").put(view)
+            }
+            EventType::Delete => self.fleet.lock().expect("fleet lock").delete(&wid),
+        };
+        if let Some(went) = went {
+            // Its jobs may run until its TTL and margin have passed: look at them then.
+            tracing::info!(worker = %wid, incarnation = went.rev, "worker gone");
+            let at = records::now_ms() + went.ttl.as_millis() as u64 + 1;
+            let jobs: Vec<(String, i64)> = self
+                .assigned
+                .iter()
+                .filter(|(_, a)| a.inc.0 == wid && a.inc.1 == went.rev)
+                .map(|(j, a)| (j.clone(), a.token))
+                .collect();
+            self.rechecks.entry(at).or_default().extend(jobs);
+        }
+        self.fill_slots();
     }
 
     /// Re-examines job `id` from its current state in etcd.
@@ -266,23 +417,29 @@ impl Actor {
             }
         }
         self.inflight.insert(id.clone());
-        let ctx = self.ctx.clone();
-        let writer = self.writer.clone();
-        let fleet = self.fleet.clone();
-        let job = id.clone();
-        let p = pick.clone();
-        let limit = self.limit.clone();
-        let handle = self.tasks.spawn(
-            async move {
-                let outcome = match limit.acquire_owned().await {
-                    Ok(_permit) => transition(&ctx, &writer, &fleet, &job, p.clone()).await,
-                    Err(_) => Outcome::Retry,
-                };
-                (job, p, outcome)
-            }
-            .in_current_span(),
-        );
-        self.task_jobs.insert(handle.id(), (id, pick));
+        self.ready.push_back((id, pick));
+        self.pump();
+    }
+
+    /// Starts queued transitions while there is room.
+    fn pump(&mut self) {
+        while self.tasks.len() < TRANSITIONS_AT_ONCE {
+            let Some((id, pick)) = self.ready.pop_front() else {
+                return;
+            };
+            let ctx = self.ctx.clone();
+            let writer = self.writer.clone();
+            let fleet = self.fleet.clone();
+            let (job, p) = (id.clone(), pick.clone());
+            let handle = self.tasks.spawn(
+                async move {
+                    let outcome = transition(&ctx, &writer, &fleet, &job, p.clone()).await;
+                    (job, p, outcome)
+                }
+                .in_current_span(),
+            );
+            self.task_jobs.insert(handle.id(), (id, pick));
+        }
     }
 
     fn release(&mut self, inc: &Incarnation) {
@@ -294,6 +451,7 @@ impl Actor {
         }
     }
 
+    /// A transition of `id` ended with `outcome`.
     fn settle(&mut self, id: String, pick: Option<Pick>, outcome: Outcome) {
         self.inflight.remove(&id);
         if let Some(p) = &pick {
@@ -302,15 +460,33 @@ impl Actor {
                 self.ctx.starts().give_back();
             }
         }
+        self.apply(id.clone(), outcome);
+        if let Some(r) = &mut self.recovery {
+            if r.open.remove(&id) {
+                self.report_recovered();
+            }
+        }
+        if self.recheck.remove(&id) {
+            self.reconcile(id);
+        }
+        self.pump();
+        self.fill_slots();
+    }
+
+    /// Books what is now known of job `id`.
+    fn apply(&mut self, id: String, outcome: Outcome) {
         let previous = match &outcome {
             Outcome::Retry => None,
-            Outcome::Running { worker, rev, .. } => {
+            Outcome::Running {
+                worker, rev, token, ..
+            } => {
                 let inc = (worker.clone(), *rev);
-                let prev = self.assigned.insert(id.clone(), inc.clone());
-                *self.used.entry(inc).or_default() += 1;
-                prev
+                *self.used.entry(inc.clone()).or_default() += 1;
+                self.assigned
+                    .insert(id.clone(), Assigned { inc, token: *token })
+                    .map(|a| a.inc)
             }
-            _ => self.assigned.remove(&id),
+            _ => self.assigned.remove(&id).map(|a| a.inc),
         };
         if let Some(prev) = previous {
             self.release(&prev);
@@ -326,10 +502,10 @@ impl Actor {
                 } else {
                     self.selectors.insert(id.clone(), selector);
                 }
-                self.waiting.insert((incarnation, id.clone()));
+                self.waiting.insert((incarnation, id));
             }
             Outcome::Later(at) => {
-                self.timers.entry(at).or_default().insert(id.clone());
+                self.timers.entry(at).or_default().insert(id);
             }
             Outcome::Retry => {
                 // Spread out: jobs that failed together (etcd overloaded) must not come back
@@ -337,20 +513,16 @@ impl Actor {
                 self.timers
                     .entry(records::now_ms() + 500 + jitter_ms(1000))
                     .or_default()
-                    .insert(id.clone());
+                    .insert(id);
             }
-            Outcome::Running { recheck, .. } => {
+            Outcome::Running { recheck, token, .. } => {
                 if let Some(at) = recheck {
                     let wait = at.saturating_duration_since(Instant::now());
                     let ms = records::now_ms() + wait.as_millis() as u64 + 1;
-                    self.timers.entry(ms).or_default().insert(id.clone());
+                    self.rechecks.entry(ms).or_default().push((id, token));
                 }
             }
         }
-        if self.recheck.remove(&id) {
-            self.reconcile(id);
-        }
-        self.fill_slots();
     }
 
     /// When the start budget next allows a waiting job to start, if one waits for it alone.
@@ -441,6 +613,14 @@ impl Actor {
         for at in due {
             for id in self.timers.remove(&at).unwrap_or_default() {
                 self.reconcile(id);
+            }
+        }
+        let due: Vec<u64> = self.rechecks.range(..=now).map(|(k, _)| *k).collect();
+        for at in due {
+            for (id, token) in self.rechecks.remove(&at).unwrap_or_default() {
+                if self.assigned.get(&id).is_some_and(|a| a.token == token) {
+                    self.reconcile(id);
+                }
             }
         }
     }

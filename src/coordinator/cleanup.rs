@@ -18,13 +18,13 @@
 //! is marked as needing an operator, never dropped. At most `--cleanup-concurrency` cleanups
 //! run at once. Clean results are deleted after `--result-retention`, in small fenced batches.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
 use backoff::backoff::Backoff;
-use etcd_client::{Compare, CompareOp, TxnOp, WatchOptions};
-use tokio::sync::Semaphore;
+use etcd_client::{TxnOp, WatchOptions};
+use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
 use super::{CleanupConfig, Ctx, Writer};
@@ -36,8 +36,8 @@ use crate::jobs::work::{
 };
 use crate::jobs::{self, Snapshot};
 use crate::metrics;
-use crate::store::codec;
-use crate::store::Keys;
+use crate::rolelog;
+use crate::store::{codec, Keys, Write};
 
 /// What one cleanup run ended with.
 enum Next {
@@ -53,34 +53,23 @@ enum Next {
 /// Cleans every dirty result for as long as the writer's term lasts.
 pub async fn run(ctx: Arc<Ctx>, writer: Writer) {
     let term = writer.term().clone();
-    let limit = Arc::new(Semaphore::new(ctx.config.cleanup.concurrency.max(1)));
-    let mut tasks: JoinSet<(String, Next)> = JoinSet::new();
-    let mut inflight: HashSet<String> = HashSet::new();
-    let mut recheck: HashSet<String> = HashSet::new();
-    let mut timers: BTreeMap<u64, HashSet<String>> = BTreeMap::new();
-    let mut needs_operator: HashSet<String> = HashSet::new();
+    let mut c = Cleaner {
+        ctx: ctx.clone(),
+        writer,
+        wakers: Wakers::default(),
+        tasks: JoinSet::new(),
+        queue: VecDeque::new(),
+        inflight: HashSet::new(),
+        recheck: HashSet::new(),
+        timers: BTreeMap::new(),
+        needs_operator: HashSet::new(),
+    };
+    let mut first = true;
     let mut report = tokio::time::interval(Duration::from_secs(1));
     let mut retention = tokio::time::interval(
         (ctx.config.cleanup.retention / 4)
             .clamp(Duration::from_millis(500), Duration::from_secs(60)),
     );
-    let schedule = |id: String,
-                    tasks: &mut JoinSet<(String, Next)>,
-                    inflight: &mut HashSet<String>,
-                    recheck: &mut HashSet<String>| {
-        if !inflight.insert(id.clone()) {
-            recheck.insert(id);
-            return;
-        }
-        let (ctx, writer, limit) = (ctx.clone(), writer.clone(), limit.clone());
-        tasks.spawn(async move {
-            let Ok(_permit) = limit.acquire_owned().await else {
-                return (id, Next::Stop);
-            };
-            let next = clean(&ctx, &writer, &id).await;
-            (id, next)
-        });
-    };
     'resync: loop {
         let (rev, ids) = tokio::select! {
             r = read_pages(&ctx) => match r {
@@ -96,8 +85,18 @@ pub async fn run(ctx: Arc<Ctx>, writer: Writer) {
         if !ids.is_empty() {
             tracing::info!(dirty = ids.len(), "resuming dirty cleanups");
         }
+        let found = ids.len();
         for id in ids {
-            schedule(id, &mut tasks, &mut inflight, &mut recheck);
+            c.schedule(id);
+        }
+        if std::mem::take(&mut first) {
+            rolelog::recovered(
+                &ctx.config.replica_id,
+                term.revision(),
+                term.lease_id(),
+                "cleanups",
+                found,
+            );
         }
         let mut client = ctx.store.client();
         let opts = || {
@@ -109,30 +108,31 @@ pub async fn run(ctx: Arc<Ctx>, writer: Writer) {
             tokio::time::sleep(Duration::from_millis(500)).await;
             continue;
         };
-        if stream
-            .watch(ctx.keys.cleanup_now(), Some(opts()))
-            .await
-            .is_err()
-        {
+        let mut more = true;
+        for prefix in [ctx.keys.cleanup_now(), ctx.keys.cleanups()] {
+            more = more && stream.watch(prefix, Some(opts())).await.is_ok();
+        }
+        if !more {
             continue;
         }
         loop {
-            let next_timer = timers.keys().next().copied();
+            let next_timer = c.timers.keys().next().copied();
             let sleep = records::sleep_until_ms(next_timer);
             tokio::select! {
                 biased;
                 _ = term.ended() => break 'resync,
+                Some(done) = c.tasks.join_next() => {
+                    let Ok((id, next)) = done else { continue };
+                    c.finished(id, next);
+                }
                 msg = stream.message() => match msg {
                     Ok(Some(resp)) if !resp.canceled() && resp.compact_revision() == 0 => {
                         for ev in resp.events() {
                             if ev.event_type() != etcd_client::EventType::Put {
                                 continue;
                             }
-                            let Some(kv) = ev.kv() else { continue };
-                            let id = Keys::id_in(&ctx.keys.dirty(), kv.key())
-                                .or_else(|| Keys::id_in(&ctx.keys.cleanup_now(), kv.key()));
-                            if let Some(id) = id {
-                                schedule(id.to_string(), &mut tasks, &mut inflight, &mut recheck);
+                            if let Some(kv) = ev.kv() {
+                                c.event(kv);
                             }
                         }
                     }
@@ -141,50 +141,140 @@ pub async fn run(ctx: Arc<Ctx>, writer: Writer) {
                         continue 'resync;
                     }
                 },
-                Some(done) = tasks.join_next() => {
-                    let Ok((id, next)) = done else { continue };
-                    inflight.remove(&id);
-                    needs_operator.remove(&id);
-                    match next {
-                        Next::At(at) => {
-                            timers.entry(at).or_default().insert(id.clone());
-                        }
-                        Next::NeedsOperator => {
-                            needs_operator.insert(id.clone());
-                        }
-                        Next::Done | Next::Stop => {}
-                    }
-                    if recheck.remove(&id) {
-                        schedule(id, &mut tasks, &mut inflight, &mut recheck);
-                    }
-                }
                 _ = sleep => {
                     let now = records::now_ms();
-                    let due: Vec<u64> = timers.range(..=now).map(|(k, _)| *k).collect();
+                    let due: Vec<u64> = c.timers.range(..=now).map(|(k, _)| *k).collect();
                     for at in due {
-                        for id in timers.remove(&at).unwrap_or_default() {
-                            schedule(id, &mut tasks, &mut inflight, &mut recheck);
+                        for id in c.timers.remove(&at).unwrap_or_default() {
+                            c.schedule(id);
                         }
                     }
                 }
-                _ = retention.tick() => expire_clean(&ctx, &writer).await,
-                _ = report.tick() => {
-                    let pending: HashSet<&String> = inflight
-                        .iter()
-                        .chain(timers.values().flatten())
-                        .chain(needs_operator.iter())
-                        .collect();
-                    let m = metrics::get();
-                    m.cleanups_pending.set(pending.len() as i64);
-                    m.cleanups_needing_operator.set(needs_operator.len() as i64);
-                }
+                _ = retention.tick() => expire_clean(&ctx, &c.writer).await,
+                _ = report.tick() => c.report(),
             }
         }
     }
     // The steps on workers go on; the next leader waits for their reports.
-    tasks.abort_all();
-    while tasks.join_next().await.is_some() {}
+    c.tasks.abort_all();
+    while c.tasks.join_next().await.is_some() {}
     metrics::get().clear_cleanup_gauges();
+}
+
+/// Wakes a job's cleanup task when its step's record changes, instead of it polling etcd.
+/// A wake with nobody waiting is kept for the next wait (`notify_one`), so none is lost
+/// between a read and the wait after it.
+#[derive(Clone, Default)]
+struct Wakers(Arc<std::sync::Mutex<HashMap<String, Arc<Notify>>>>);
+
+impl Wakers {
+    fn of(&self, id: &str) -> Arc<Notify> {
+        self.0
+            .lock()
+            .expect("wakers lock")
+            .entry(id.to_string())
+            .or_default()
+            .clone()
+    }
+
+    fn wake(&self, id: &str) {
+        if let Some(n) = self.0.lock().expect("wakers lock").get(id) {
+            n.notify_one();
+        }
+    }
+
+    fn forget(&self, id: &str) {
+        self.0.lock().expect("wakers lock").remove(id);
+    }
+}
+
+/// The cleaner of one term: a queue of dirty results, at most `--cleanup-concurrency` cleaned
+/// at once (queued ones hold no task), one at a time per job.
+struct Cleaner {
+    ctx: Arc<Ctx>,
+    writer: Writer,
+    wakers: Wakers,
+    tasks: JoinSet<(String, Next)>,
+    queue: VecDeque<String>,
+    /// Jobs queued or being cleaned.
+    inflight: HashSet<String>,
+    recheck: HashSet<String>,
+    timers: BTreeMap<u64, HashSet<String>>,
+    needs_operator: HashSet<String>,
+}
+
+impl Cleaner {
+    fn schedule(&mut self, id: String) {
+        if !self.inflight.insert(id.clone()) {
+            self.recheck.insert(id);
+            return;
+        }
+        self.queue.push_back(id);
+        self.pump();
+    }
+
+    fn pump(&mut self) {
+        while self.tasks.len() < self.ctx.config.cleanup.concurrency.max(1) {
+            let Some(id) = self.queue.pop_front() else {
+                return;
+            };
+            let (ctx, writer, wakers) =
+                (self.ctx.clone(), self.writer.clone(), self.wakers.clone());
+            self.tasks.spawn(async move {
+                let next = clean(&ctx, &writer, &wakers, &id).await;
+                wakers.forget(&id);
+                (id, next)
+            });
+        }
+    }
+
+    fn finished(&mut self, id: String, next: Next) {
+        self.inflight.remove(&id);
+        self.needs_operator.remove(&id);
+        match next {
+            Next::At(at) => {
+                self.timers.entry(at).or_default().insert(id.clone());
+            }
+            Next::NeedsOperator => {
+                self.needs_operator.insert(id.clone());
+            }
+            Next::Done | Next::Stop => {}
+        }
+        if self.recheck.remove(&id) {
+            self.schedule(id);
+        }
+        self.pump();
+    }
+
+    fn event(&mut self, kv: &etcd_client::KeyValue) {
+        let keys = &self.ctx.keys;
+        if let Some(id) = Keys::id_in(&keys.dirty(), kv.key()) {
+            // Only a new result needs a look: later versions are this term's own progress,
+            // which the job's task (or its timer) already acts on.
+            if kv.version() == 1 {
+                self.schedule(id.to_string());
+            }
+        } else if let Some(id) = Keys::id_in(&keys.cleanup_now(), kv.key()) {
+            self.schedule(id.to_string());
+        } else if let Some((id, _step)) =
+            Keys::id_in(&keys.cleanups(), kv.key()).and_then(|r| r.split_once('/'))
+        {
+            self.wakers.wake(id);
+        }
+    }
+
+    fn report(&self) {
+        let pending: HashSet<&String> = self
+            .inflight
+            .iter()
+            .chain(self.timers.values().flatten())
+            .chain(self.needs_operator.iter())
+            .collect();
+        let m = metrics::get();
+        m.cleanups_pending.set(pending.len() as i64);
+        m.cleanups_needing_operator
+            .set(self.needs_operator.len() as i64);
+    }
 }
 
 async fn read_pages(ctx: &Ctx) -> Result<(i64, Vec<String>), jobs::Error> {
@@ -193,7 +283,8 @@ async fn read_pages(ctx: &Ctx) -> Result<(i64, Vec<String>), jobs::Error> {
     for prefix in [ctx.keys.dirty(), ctx.keys.cleanup_now()] {
         let mut after = String::new();
         loop {
-            let (kvs, r) = jobs::page_ids(&ctx.store, &prefix, &after, 500, rev).await?;
+            let range = jobs::Range::after(&prefix, &after);
+            let (kvs, r) = jobs::page(&ctx.store, range, 1000, rev, true).await?;
             rev = r;
             for kv in &kvs {
                 if let Some(id) = Keys::id_in(&prefix, kv.key()) {
@@ -201,12 +292,11 @@ async fn read_pages(ctx: &Ctx) -> Result<(i64, Vec<String>), jobs::Error> {
                     after = id.to_string();
                 }
             }
-            if kvs.len() < 500 {
+            if kvs.len() < 1000 {
                 break;
             }
         }
     }
-    ids.dedup();
     Ok((rev, ids))
 }
 
@@ -228,7 +318,7 @@ fn delay(cfg: &CleanupConfig, attempts: u32) -> Duration {
 }
 
 /// Runs the remaining stages of one job's cleanup.
-async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
+async fn clean(ctx: &Ctx, writer: &Writer, wakers: &Wakers, id: &str) -> Next {
     let term = writer.term();
     loop {
         if term.check().is_err() {
@@ -278,14 +368,14 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
             if stage == 1 {
                 remove_local_folder(ctx, id);
             }
-            stage_on_worker(ctx, writer, &snap, &result, &mut next).await
+            stage_on_worker(ctx, writer, wakers, &snap, &result, &mut next).await
         };
         let assigned = next
             .cleanup
             .assigned
             .take()
             .or(result.cleanup.assigned.clone());
-        let mut compares = Vec::new();
+        let mut compares = Write::new();
         let mut failed = false;
         let p = &mut next.cleanup;
         match outcome {
@@ -307,10 +397,10 @@ async fn clean(ctx: &Ctx, writer: &Writer, id: &str) -> Next {
                 p.next_retry_ms = records::now_ms() + backoff.as_millis() as u64;
                 if let Some(a) = &assigned {
                     let key = ctx.keys.cleanup_record(id, &a.step);
-                    compares.push(match rec_rev {
-                        Some(r) => Compare::mod_revision(key, CompareOp::Equal, r),
-                        None => Compare::version(key, CompareOp::Equal, 0),
-                    });
+                    compares = match rec_rev {
+                        Some(r) => compares.when_modified(key, r),
+                        None => compares.when_absent(key),
+                    };
                 }
             }
             Step::Failed(e) => {
@@ -372,6 +462,7 @@ enum Step {
 async fn stage_on_worker(
     ctx: &Ctx,
     writer: &Writer,
+    wakers: &Wakers,
     snap: &Snapshot,
     result: &JobResult,
     next: &mut JobResult,
@@ -386,6 +477,7 @@ async fn stage_on_worker(
     let worker_key = ctx.keys.worker(&a.worker);
     let first_look = tokio::time::Instant::now();
     let mut gone_at: Option<tokio::time::Instant> = None;
+    let wake = wakers.of(id);
     loop {
         if term.check().is_err() {
             return Step::TermOver;
@@ -459,7 +551,11 @@ async fn stage_on_worker(
                 }
             }
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The step's record wakes this at once; a worker's key going shows at the next look.
+        tokio::select! {
+            _ = wake.notified() => {}
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
     }
 }
 
@@ -581,25 +677,21 @@ async fn assign_step(
     let k = ctx.keys.job(id);
     let worker_key = ctx.keys.worker(&wid);
     let record_key = ctx.keys.cleanup_record(id, &step);
-    let compares = vec![
-        Compare::mod_revision(k.dirty.clone(), CompareOp::Equal, snap.dirty_rev),
-        Compare::create_revision(worker_key.clone(), CompareOp::Equal, wrev),
-        Compare::mod_revision(worker_key, CompareOp::Equal, wmod),
-    ];
-    let mut ops = vec![
-        TxnOp::put(k.dirty, codec::encode(&written), None),
+    let mut write = Write::new()
+        .when_modified(k.dirty.clone(), snap.dirty_rev)
+        .when_created(worker_key.clone(), wrev)
+        .when_modified(worker_key, wmod)
+        .put(k.dirty, codec::encode(&written))
         // A record left by an earlier run of this step (a folder removal, say) is not this one's.
-        TxnOp::delete(record_key, None),
-        TxnOp::put(
+        .delete(record_key)
+        .put(
             ctx.keys.cleanup_assignment(&wid, wrev, id),
             codec::encode(&assignment),
-            None,
-        ),
-    ];
+        );
     if snap.cleanup_now {
-        ops.push(TxnOp::delete(k.cleanup_now, None));
+        write = write.delete(k.cleanup_now);
     }
-    let committed = writer.commit(compares, ops).await;
+    let committed = writer.commit(write).await;
     if !matches!(&committed, Ok(c) if c.applied()) && kind == AssignmentKind::Cleanup {
         ctx.starts().give_back();
     }
@@ -644,28 +736,26 @@ async fn live_workers(
 }
 
 /// Records progress in the dirty entry (fenced, and only if nobody changed it meanwhile).
-/// Also deletes `ended` (the step's assignment) and requires `extra`.
+/// Also deletes `ended` (the step's assignment) and requires what `extra` compares.
 async fn record(
     ctx: &Ctx,
     writer: &Writer,
     snap: &Snapshot,
     next: &JobResult,
-    extra: Vec<Compare>,
+    extra: Write,
     ended: Option<String>,
 ) -> Result<(), ()> {
     let k = ctx.keys.job(&snap.id);
-    let mut compares = vec![Compare::mod_revision(
-        k.dirty.clone(),
-        CompareOp::Equal,
-        snap.dirty_rev,
-    )];
-    compares.extend(extra);
-    let mut ops = vec![TxnOp::put(k.dirty, codec::encode(next), None)];
-    ops.extend(ended.map(|key| TxnOp::delete(key, None)));
-    if snap.cleanup_now {
-        ops.push(TxnOp::delete(k.cleanup_now, None));
+    let mut write = extra
+        .when_modified(k.dirty.clone(), snap.dirty_rev)
+        .put(k.dirty, codec::encode(next));
+    if let Some(key) = ended {
+        write = write.delete(key);
     }
-    match writer.commit(compares, ops).await {
+    if snap.cleanup_now {
+        write = write.delete(k.cleanup_now);
+    }
+    match writer.commit(write).await {
         Ok(c) if c.applied() => Ok(()),
         _ => Err(()),
     }
@@ -680,42 +770,29 @@ async fn finish(ctx: &Ctx, writer: &Writer, snap: &Snapshot, mut result: JobResu
     result.cleanup.last_error = None;
     result.cleanup.assigned = None;
     result.version = records::RESULT_VERSION;
-    let mut compares = vec![Compare::mod_revision(
-        k.dirty.clone(),
-        CompareOp::Equal,
-        snap.dirty_rev,
-    )];
+    let mut write = Write::new().when_modified(k.dirty.clone(), snap.dirty_rev);
     if let Some((_, incarnation)) = &snap.spec {
-        compares.push(Compare::create_revision(
-            k.spec.clone(),
-            CompareOp::Equal,
-            *incarnation,
-        ));
+        write = write.when_created(k.spec.clone(), *incarnation);
     }
-    let mut ops = vec![
-        TxnOp::delete(k.spec, None),
-        TxnOp::delete(k.cancel, None),
-        TxnOp::delete(k.cleanup_now, None),
-        TxnOp::delete(k.dirty, None),
-        TxnOp::delete(
-            format!("{}{}/", ctx.keys.cleanups(), snap.id),
-            Some(etcd_client::DeleteOptions::new().with_prefix()),
-        ),
-        TxnOp::put(k.clean, codec::encode(&result), None),
-    ];
+    write = write
+        .delete(k.spec)
+        .delete(k.cancel)
+        .delete(k.cleanup_now)
+        .delete(k.dirty)
+        .delete_prefix(format!("{}{}/", ctx.keys.cleanups(), snap.id))
+        .put(k.clean, codec::encode(&result));
     // A step's assignment left over (a worker that never answered) goes too.
     let leftover = snap
         .dirty
         .as_ref()
         .and_then(|d| d.cleanup.assigned.as_ref());
-    ops.extend(leftover.map(|a| {
-        TxnOp::delete(
+    if let Some(a) = leftover {
+        write = write.delete(
             ctx.keys
                 .cleanup_assignment(&a.worker, a.worker_rev, &snap.id),
-            None,
-        )
-    }));
-    match writer.commit(compares, ops).await {
+        );
+    }
+    match writer.commit(write).await {
         Ok(c) if c.applied() => {
             tracing::info!(job_id = %snap.id, attempts = result.cleanup.attempts, "cleanup done; result is clean");
             Next::Done
@@ -755,15 +832,11 @@ async fn expire_clean(ctx: &Ctx, writer: &Writer) {
         }
     }
     for batch in expired.chunks(50) {
-        let compares = batch
+        let write = batch
             .iter()
-            .map(|(k, rev)| Compare::mod_revision(k.clone(), CompareOp::Equal, *rev))
-            .collect();
-        let ops = batch
-            .iter()
-            .map(|(k, _)| TxnOp::delete(k.clone(), None))
-            .collect();
-        match writer.commit(compares, ops).await {
+            .fold(Write::new(), |w, (k, rev)| w.when_modified(k.clone(), *rev));
+        let write = batch.iter().fold(write, |w, (k, _)| w.delete(k.clone()));
+        match writer.commit(write).await {
             Ok(c) if c.applied() => tracing::info!(
                 results = batch.len(),
                 "expired clean results past retention"

@@ -38,6 +38,23 @@ pub(super) struct Pick {
     pub(super) labels: BTreeMap<String, String>,
 }
 
+/// A worker incarnation that went, and how long its jobs may still run after that (its TTL
+/// and margin): they are restarted no earlier.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Went {
+    pub(super) rev: i64,
+    pub(super) ttl: Duration,
+}
+
+impl Went {
+    fn of(w: &WorkerView) -> Went {
+        Went {
+            rev: w.rev,
+            ttl: Duration::from_millis(w.record.lease_ttl_ms + w.record.margin_ms),
+        }
+    }
+}
+
 /// The labels a job needs of its worker (usually none).
 pub(super) type Selector = BTreeMap<String, String>;
 
@@ -79,16 +96,16 @@ impl Fleet {
     }
 
     /// A worker's key was put. Returns the incarnation it replaced, if any.
-    pub(super) fn put(&mut self, view: WorkerView) -> Option<i64> {
+    pub(super) fn put(&mut self, view: WorkerView) -> Option<Went> {
         let id = view.record.worker_id.clone();
         let replaced = self
             .workers
             .get(&id)
             .filter(|old| old.rev != view.rev)
-            .map(|old| old.rev);
-        if let Some(rev) = replaced {
+            .map(Went::of);
+        if let Some(w) = &replaced {
             self.gone
-                .entry((id.clone(), rev))
+                .entry((id.clone(), w.rev))
                 .or_insert_with(Instant::now);
         }
         self.workers.insert(id, view);
@@ -96,12 +113,12 @@ impl Fleet {
     }
 
     /// A worker's key was deleted. Returns the incarnation that went.
-    pub(super) fn delete(&mut self, id: &str) -> Option<i64> {
+    pub(super) fn delete(&mut self, id: &str) -> Option<Went> {
         let old = self.workers.remove(id)?;
         self.gone
             .entry((id.to_string(), old.rev))
             .or_insert_with(Instant::now);
-        Some(old.rev)
+        Some(Went::of(&old))
     }
 
     pub(super) fn liveness(&self, id: &str, rev: i64) -> Liveness {

@@ -1,30 +1,63 @@
-//! Recovery on becoming leader: the workers, the registry, cancel requests and dirty results,
-//! read in pages pinned to one revision R (never the whole keyspace at once), so that the
-//! watches from R+1 miss nothing. Attempt records are read per job by its transition.
+//! Recovery on becoming leader: the workers, cancel requests, the registry and the attempt
+//! records, read in pages pinned to one revision R (never the whole keyspace at once), so that
+//! the watches from R+1 miss nothing.
+//!
+//! Work starts while the pages come in: each registry page goes to the actor with what the
+//! pages say of its jobs (entry, the current attempt's state, a cancel request), so adopting a
+//! running job or queueing a pending one costs no round trip of its own; only jobs whose state
+//! needs a write (an attempt that ended, a cancel) are read again by their transition. Dirty
+//! results are the cleaner's to read.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use super::fleet::WorkerView;
 use super::Ctx;
 use crate::election::Term;
 use crate::jobs;
-use crate::jobs::work::{WorkerRecord, WORKER_VERSION};
+use crate::jobs::records::{self, RegistryEntry};
+use crate::jobs::work::{
+    AttemptRecord, AttemptState, WorkerRecord, ATTEMPT_VERSION, WORKER_VERSION,
+};
 use crate::store::{codec, Keys};
 
-type Recovered = (i64, Vec<String>, usize, Vec<WorkerView>);
+/// One registry entry as the pinned pages show it.
+pub(super) struct FoundJob {
+    pub id: String,
+    pub entry: RegistryEntry,
+    /// The entry's mod revision: the current assignment's token.
+    pub registry_rev: i64,
+    /// The entry's create revision: the job's incarnation (the spec was created with it).
+    pub incarnation: i64,
+    /// The state of the current assignment's attempt record, if it has one.
+    pub attempt: Option<AttemptState>,
+    pub cancelled: bool,
+}
 
-/// Reads the workers, the registry, cancel requests and dirty results in pages pinned to one
-/// revision. Returns that revision, the ids to reconcile, how many dirty results there are, and
-/// the live workers.
-pub(super) async fn recover(ctx: &Ctx, term: &Term) -> Recovered {
+/// What the pages yield, in order: the workers first, then registry pages.
+pub(super) enum Found {
+    Workers(Vec<WorkerView>),
+    Jobs(Vec<FoundJob>),
+}
+
+/// Entries per page.
+const PAGE: i64 = 500;
+
+/// Reads everything a term starts from, handing it to `take` page by page, and returns the
+/// revision the pages were pinned to, or `None` if the term ended first. A failed read starts
+/// over (what was handed over is handed over again: the actor takes it idempotently).
+pub(super) async fn recover(
+    ctx: &Ctx,
+    term: &Term,
+    take: &mut (dyn FnMut(Found) + Send),
+) -> Option<i64> {
     let mut pause = Duration::from_millis(100);
     loop {
-        match read_pages(ctx).await {
-            Ok(r) => return r,
+        match read_pages(ctx, take).await {
+            Ok(rev) => return Some(rev),
             Err(e) => {
                 if term.has_ended() {
-                    return (0, Vec::new(), 0, Vec::new());
+                    return None;
                 }
                 tracing::warn!(error = %e, "recovery read failed; retrying");
                 tokio::time::sleep(pause).await;
@@ -34,67 +67,129 @@ pub(super) async fn recover(ctx: &Ctx, term: &Term) -> Recovered {
     }
 }
 
-const PAGE: i64 = 500;
-
-async fn read_pages(ctx: &Ctx) -> Result<Recovered, jobs::Error> {
+async fn read_pages(ctx: &Ctx, take: &mut (dyn FnMut(Found) + Send)) -> Result<i64, jobs::Error> {
+    let keys = &ctx.keys;
     let mut rev = 0;
     let mut workers = Vec::new();
-    let prefix = ctx.keys.workers();
+    for kv in all_pages(ctx, &keys.workers(), &mut rev, false).await? {
+        if let Ok(record) = codec::decode::<WorkerRecord>(kv.key(), kv.value(), WORKER_VERSION) {
+            workers.push(WorkerView {
+                rev: kv.create_revision(),
+                mod_rev: kv.mod_revision(),
+                record,
+            });
+        }
+    }
+    take(Found::Workers(workers));
+    let cancelled: HashSet<String> = all_pages(ctx, &keys.cancel(), &mut rev, true)
+        .await?
+        .iter()
+        .filter_map(|kv| Keys::id_in(&keys.cancel(), kv.key()).map(str::to_string))
+        .collect();
+    let prefix = keys.registry();
     let mut after = String::new();
     loop {
         let (kvs, r) = jobs::page_ids(&ctx.store, &prefix, &after, PAGE, rev).await?;
         rev = r;
-        for kv in &kvs {
-            if let Some(id) = Keys::id_in(&prefix, kv.key()) {
-                after = id.to_string();
-            }
-            if let Ok(record) = codec::decode::<WorkerRecord>(kv.key(), kv.value(), WORKER_VERSION)
-            {
-                workers.push(WorkerView {
-                    rev: kv.create_revision(),
-                    mod_rev: kv.mod_revision(),
-                    record,
-                });
-            }
-        }
-        if (kvs.len() as i64) < PAGE {
+        let full = kvs.len() as i64 == PAGE;
+        let ids: Vec<&str> = kvs
+            .iter()
+            .filter_map(|kv| Keys::id_in(&prefix, kv.key()))
+            .collect();
+        let (Some(first), Some(last)) = (ids.first(), ids.last()) else {
+            break;
+        };
+        let attempts = attempts_between(ctx, first, last, rev).await?;
+        let page = kvs
+            .iter()
+            .filter_map(|kv| {
+                let id = Keys::id_in(&prefix, kv.key())?;
+                let entry: RegistryEntry =
+                    codec::decode_any(kv.key(), kv.value(), records::REGISTRY_VERSIONS_READ)
+                        .ok()?;
+                Some(FoundJob {
+                    id: id.to_string(),
+                    attempt: attempts.get(&(id.to_string(), kv.mod_revision())).copied(),
+                    cancelled: cancelled.contains(id),
+                    entry,
+                    registry_rev: kv.mod_revision(),
+                    incarnation: kv.create_revision(),
+                })
+            })
+            .collect();
+        after = last.to_string();
+        take(Found::Jobs(page));
+        if !full {
             break;
         }
     }
-    // Registry entries are created with their job in the submit transaction: ordering by their
-    // create revision restarts jobs in submission order.
-    let mut ids: Vec<(i64, String)> = Vec::new();
-    let mut dirty = 0;
-    for (prefix, is_dirty) in [
-        (ctx.keys.registry(), false),
-        (ctx.keys.cancel(), false),
-        (ctx.keys.dirty(), true),
-    ] {
-        let mut after = String::new();
-        loop {
-            let (kvs, r) = jobs::page_ids(&ctx.store, &prefix, &after, PAGE, rev).await?;
-            rev = r;
-            for kv in &kvs {
-                if let Some(id) = Keys::id_in(&prefix, kv.key()) {
-                    if is_dirty {
-                        dirty += 1;
-                    } else {
-                        ids.push((kv.create_revision(), id.to_string()));
-                    }
-                    after = id.to_string();
-                }
-            }
-            if (kvs.len() as i64) < PAGE {
-                break;
-            }
+    Ok(rev)
+}
+
+/// Every key under `prefix`, in pages pinned to `rev` (0: the first page pins it).
+async fn all_pages(
+    ctx: &Ctx,
+    prefix: &str,
+    rev: &mut i64,
+    keys_only: bool,
+) -> Result<Vec<etcd_client::KeyValue>, jobs::Error> {
+    let mut out = Vec::new();
+    let mut after = String::new();
+    loop {
+        let (kvs, r) = jobs::page(
+            &ctx.store,
+            jobs::Range::after(prefix, &after),
+            PAGE,
+            *rev,
+            keys_only,
+        )
+        .await?;
+        *rev = r;
+        let full = kvs.len() as i64 == PAGE;
+        if let Some(last) = kvs.last().and_then(|kv| Keys::id_in(prefix, kv.key())) {
+            after = last.to_string();
+        }
+        out.extend(kvs);
+        if !full {
+            return Ok(out);
         }
     }
-    ids.sort();
-    let mut seen = HashSet::new();
-    let ids = ids
-        .into_iter()
-        .filter(|(_, id)| seen.insert(id.clone()))
-        .map(|(_, id)| id)
-        .collect();
-    Ok((rev, ids, dirty, workers))
+}
+
+/// The attempt records of the jobs `first..=last`, by (job, token), read at `rev`.
+async fn attempts_between(
+    ctx: &Ctx,
+    first: &str,
+    last: &str,
+    rev: i64,
+) -> Result<HashMap<(String, i64), AttemptState>, jobs::Error> {
+    let keys = &ctx.keys;
+    let mut found = HashMap::new();
+    let end = jobs::prefix_end(&keys.attempts_of(last));
+    let mut start = keys.attempts_of(first).into_bytes();
+    loop {
+        let range = jobs::Range {
+            start: start.clone(),
+            end: end.clone(),
+        };
+        let (kvs, _) = jobs::page(&ctx.store, range, PAGE * 2, rev, false).await?;
+        for kv in &kvs {
+            let Some((job, token)) = Keys::id_in(&keys.attempts(), kv.key())
+                .and_then(|rest| rest.split_once('/'))
+                .and_then(|(job, t)| Some((job.to_string(), t.parse::<i64>().ok()?)))
+            else {
+                continue;
+            };
+            if let Ok(r) = codec::decode::<AttemptRecord>(kv.key(), kv.value(), ATTEMPT_VERSION) {
+                found.insert((job, token), r.state);
+            }
+        }
+        match kvs.last() {
+            Some(kv) if kvs.len() as i64 == PAGE * 2 => {
+                start = kv.key().to_vec();
+                start.push(0);
+            }
+            _ => return Ok(found),
+        }
+    }
 }

@@ -15,8 +15,6 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Compare, CompareOp, DeleteOptions, TxnOp};
-
 use super::fleet::{Fleet, Liveness, Pick, Selector};
 use super::{CoordinatorConfig, Ctx, Writer};
 use crate::election::{Commit, FenceError};
@@ -26,7 +24,7 @@ use crate::jobs::work::{
 };
 use crate::jobs::{self, Snapshot};
 use crate::metrics::{self, Restart};
-use crate::store::codec;
+use crate::store::{codec, Write};
 
 /// What a transition found or did.
 pub(super) enum Outcome {
@@ -37,11 +35,13 @@ pub(super) enum Outcome {
     NeedSlot(i64, Selector),
     /// PENDING until this Unix ms.
     Later(u64),
-    /// RUNNING on this worker incarnation; look again at `recheck` if set. `fresh`: this
-    /// transition assigned it (it took a start).
+    /// RUNNING on this worker incarnation under assignment `token` (the registry entry's
+    /// revision); look again at `recheck` if set. `fresh`: this transition assigned it (it
+    /// took a start).
     Running {
         worker: String,
         rev: i64,
+        token: i64,
         recheck: Option<Instant>,
         fresh: bool,
     },
@@ -215,30 +215,14 @@ pub(super) async fn transition(
                 }
                 Some(AttemptState::Started) | None => {
                     let started = state.is_some();
-                    let (liveness, accept_due) = {
+                    let liveness = {
                         let mut f = fleet.lock().expect("fleet lock");
-                        if started {
-                            f.trust(&worker, entry.worker_rev);
+                        match adopt(&mut f, &worker, &entry, registry_rev, started) {
+                            Ok(outcome) => return outcome,
+                            Err(liveness) => liveness,
                         }
-                        (
-                            f.liveness(&worker, entry.worker_rev),
-                            f.accept_due(&worker, registry_rev),
-                        )
                     };
-                    let now = Instant::now();
                     match liveness {
-                        Liveness::Alive if started => Outcome::Running {
-                            worker,
-                            rev: entry.worker_rev,
-                            recheck: None,
-                            fresh: false,
-                        },
-                        Liveness::Alive if now < accept_due => Outcome::Running {
-                            worker,
-                            rev: entry.worker_rev,
-                            recheck: Some(accept_due),
-                            fresh: false,
-                        },
                         Liveness::Alive => {
                             tracing::warn!(job_id = id, worker = %worker, "no start within the assign timeout; taking the job back");
                             fleet
@@ -247,35 +231,69 @@ pub(super) async fn transition(
                                 .distrust(&worker, entry.worker_rev);
                             job.requeue(Requeue::Unstarted).await
                         }
-                        Liveness::Gone(since) => {
-                            let due = since + Duration::from_millis(entry.worker_ttl_ms);
-                            if now < due {
-                                return Outcome::Running {
-                                    worker,
-                                    rev: entry.worker_rev,
-                                    recheck: Some(due),
-                                    fresh: false,
-                                };
-                            }
-                            if cancelled {
-                                return job
-                                    .terminal(
-                                        TerminalStatus::Canceled,
-                                        None,
-                                        None,
-                                        Some("cancelled; its worker went away".into()),
-                                    )
-                                    .await;
-                            }
-                            if !started {
-                                tracing::info!(job_id = id, worker = %worker, "its worker went away before starting it");
-                                return job.requeue(Requeue::Unstarted).await;
-                            }
+                        Liveness::Gone(_) if cancelled => {
+                            job.terminal(
+                                TerminalStatus::Canceled,
+                                None,
+                                None,
+                                Some("cancelled; its worker went away".into()),
+                            )
+                            .await
+                        }
+                        Liveness::Gone(_) if !started => {
+                            tracing::info!(job_id = id, worker = %worker, "its worker went away before starting it");
+                            job.requeue(Requeue::Unstarted).await
+                        }
+                        Liveness::Gone(_) => {
                             tracing::warn!(job_id = id, worker = %worker, "its worker is gone; restarting the job elsewhere");
                             job.requeue(Requeue::Lost).await
                         }
                     }
                 }
+            }
+        }
+    }
+}
+
+/// A RUNNING entry on `worker` whose current attempt has not ended (`started`: it has a
+/// `started` record): `Ok` when nothing needs writing now (its worker lives and started it
+/// or still may; or its worker went less than a TTL and margin ago: look again then), or
+/// `Err` with the worker's liveness when the job must be taken back or restarted. Pure but
+/// for the fleet's bookkeeping, so recovery decides most jobs from its pages alone.
+pub(super) fn adopt(
+    fleet: &mut Fleet,
+    worker: &str,
+    entry: &RegistryEntry,
+    registry_rev: i64,
+    started: bool,
+) -> Result<Outcome, Liveness> {
+    if started {
+        fleet.trust(worker, entry.worker_rev);
+    }
+    let running = |recheck| Outcome::Running {
+        worker: worker.to_string(),
+        rev: entry.worker_rev,
+        token: registry_rev,
+        recheck,
+        fresh: false,
+    };
+    let now = Instant::now();
+    match fleet.liveness(worker, entry.worker_rev) {
+        Liveness::Alive if started => Ok(running(None)),
+        Liveness::Alive => {
+            let due = fleet.accept_due(worker, registry_rev);
+            if now < due {
+                Ok(running(Some(due)))
+            } else {
+                Err(Liveness::Alive)
+            }
+        }
+        Liveness::Gone(since) => {
+            let due = since + Duration::from_millis(entry.worker_ttl_ms);
+            if now < due {
+                Ok(running(Some(due)))
+            } else {
+                Err(Liveness::Gone(since))
             }
         }
     }
@@ -298,43 +316,43 @@ impl JobCtx<'_> {
         &self.snap.id
     }
 
-    fn same_job(&self) -> Vec<Compare> {
+    /// A write that requires the job's incarnation and registry entry as read.
+    fn same_job(&self) -> Write {
         let k = self.ctx.keys.job(self.id());
-        vec![
-            Compare::create_revision(k.spec, CompareOp::Equal, self.incarnation),
-            Compare::mod_revision(k.registry, CompareOp::Equal, self.registry_rev),
-        ]
+        Write::new()
+            .when_created(k.spec, self.incarnation)
+            .when_modified(k.registry, self.registry_rev)
     }
 
-    /// The job, and the current attempt's record exactly as it was read (or its absence).
-    fn same_attempt(&self) -> Vec<Compare> {
-        let mut c = self.same_job();
-        if self.entry.status == RegistryStatus::Running && self.entry.worker.is_some() {
-            let key = self.ctx.keys.attempt(self.id(), self.registry_rev);
-            c.push(match &self.attempt {
-                Some((_, rev)) => Compare::mod_revision(key, CompareOp::Equal, *rev),
-                None => Compare::version(key, CompareOp::Equal, 0),
-            });
+    /// [`Self::same_job`], and the current attempt's record exactly as it was read (or its
+    /// absence).
+    fn same_attempt(&self) -> Write {
+        let w = self.same_job();
+        if self.entry.status != RegistryStatus::Running || self.entry.worker.is_none() {
+            return w;
         }
-        c
+        let key = self.ctx.keys.attempt(self.id(), self.registry_rev);
+        match &self.attempt {
+            Some((_, rev)) => w.when_modified(key, *rev),
+            None => w.when_absent(key),
+        }
     }
 
-    /// Deletes the current assignment's key, if there is one.
-    fn end_assignment(&self) -> Vec<TxnOp> {
+    /// Adds the deletion of the current assignment's key, if there is one.
+    fn end_assignment(&self, w: Write) -> Write {
         match (&self.entry.worker, self.entry.status) {
-            (Some(w), RegistryStatus::Running) => vec![TxnOp::delete(
-                self.ctx
-                    .keys
-                    .assignment(w, self.entry.worker_rev, self.id()),
-                None,
-            )],
-            _ => Vec::new(),
+            (Some(worker), RegistryStatus::Running) => w.delete(self.ctx.keys.assignment(
+                worker,
+                self.entry.worker_rev,
+                self.id(),
+            )),
+            _ => w,
         }
     }
 
     /// Fenced write; maps the outcome for the actor.
-    async fn write(&self, compares: Vec<Compare>, ops: Vec<TxnOp>) -> Result<i64, Outcome> {
-        match self.writer.commit(compares, ops).await {
+    async fn write(&self, write: Write) -> Result<i64, Outcome> {
+        match self.writer.commit(write).await {
             Ok(Commit::Applied { revision, .. }) => Ok(revision),
             Ok(Commit::Conflict(_)) => Err(Outcome::Retry),
             Err(FenceError::Deposed { .. }) => Err(Outcome::Idle),
@@ -372,21 +390,17 @@ impl JobCtx<'_> {
         };
         let k = self.ctx.keys.job(self.id());
         let worker_key = self.ctx.keys.worker(&p.id);
-        let mut compares = self.same_job();
-        compares.extend([
-            Compare::version(k.cancel.clone(), CompareOp::Equal, 0),
-            Compare::create_revision(worker_key.clone(), CompareOp::Equal, p.rev),
-            Compare::mod_revision(worker_key, CompareOp::Equal, p.mod_rev),
-        ]);
-        let ops = vec![
-            TxnOp::put(k.registry, codec::encode(&entry), None),
-            TxnOp::put(
+        let write = self
+            .same_job()
+            .when_absent(k.cancel)
+            .when_created(worker_key.clone(), p.rev)
+            .when_modified(worker_key, p.mod_rev)
+            .put(k.registry, codec::encode(&entry))
+            .put(
                 self.ctx.keys.assignment(&p.id, p.rev, self.id()),
                 codec::encode(&assignment),
-                None,
-            ),
-        ];
-        match self.write(compares, ops).await {
+            );
+        match self.write(write).await {
             Ok(token) => {
                 let due = {
                     let mut f = fleet.lock().expect("fleet lock");
@@ -397,6 +411,7 @@ impl JobCtx<'_> {
                 Outcome::Running {
                     worker: p.id,
                     rev: p.rev,
+                    token,
                     recheck: Some(due),
                     fresh: true,
                 }
@@ -445,9 +460,8 @@ impl JobCtx<'_> {
             Requeue::Unstarted => back.attempt = back.attempt.saturating_sub(1),
         }
         let k = self.ctx.keys.job(self.id());
-        let mut ops = vec![TxnOp::put(k.registry, codec::encode(&back), None)];
-        ops.extend(self.end_assignment());
-        match self.write(self.same_attempt(), ops).await {
+        let write = self.same_attempt().put(k.registry, codec::encode(&back));
+        match self.write(self.end_assignment(write)).await {
             Ok(_) => {
                 tracing::info!(job_id = self.id(), attempt = self.entry.attempt, reason = ?why, "attempt given back; the job waits for a worker again");
                 match why {
@@ -521,9 +535,8 @@ impl JobCtx<'_> {
         entry.last_error = Some(error.clone());
         tracing::info!(job_id = self.id(), attempt, error = %error, retry_in = ?delay, "attempt failed; will retry");
         let k = self.ctx.keys.job(self.id());
-        let mut ops = vec![TxnOp::put(k.registry, codec::encode(&entry), None)];
-        ops.extend(self.end_assignment());
-        match self.write(self.same_attempt(), ops).await {
+        let write = self.same_attempt().put(k.registry, codec::encode(&entry));
+        match self.write(self.end_assignment(write)).await {
             Ok(_) => {
                 metrics::get().restarted(Restart::FailedAttempt);
                 Outcome::Later(entry.not_before_ms)
@@ -583,16 +596,12 @@ impl JobCtx<'_> {
             worker_rev: e.worker_rev,
         };
         let k = self.ctx.keys.job(self.id());
-        let mut ops = vec![
-            TxnOp::delete(k.registry, None),
-            TxnOp::put(k.dirty, codec::encode(&result), None),
-            TxnOp::delete(
-                self.ctx.keys.attempts_of(self.id()),
-                Some(DeleteOptions::new().with_prefix()),
-            ),
-        ];
-        ops.extend(self.end_assignment());
-        match self.write(self.same_attempt(), ops).await {
+        let write = self
+            .same_attempt()
+            .delete(k.registry)
+            .put(k.dirty, codec::encode(&result))
+            .delete_prefix(self.ctx.keys.attempts_of(self.id()));
+        match self.write(self.end_assignment(write)).await {
             Ok(_) => {
                 tracing::info!(job_id = self.id(), status = ?status, exit_code, "job result recorded");
                 Outcome::Idle

@@ -1,48 +1,41 @@
-//! The one writer of a term: every fenced write of the leader goes through here, so that a
-//! later change can batch concurrent transitions into one transaction (group commit) without
-//! touching the job logic.
-
-use etcd_client::{Compare, TxnOp};
-use futures_util::StreamExt;
-use tokio::sync::{mpsc, oneshot};
-use tokio_stream::wrappers::ReceiverStream;
+//! The one writer of a term: every fenced write of the leader goes through here, and
+//! concurrent ones (assignments, results, cleanup progress) are group-committed: batched into
+//! one transaction under the term's fence, each keeping its own compares and outcome (see
+//! [`crate::store::group`]).
 
 use crate::election::{Commit, FenceError, Term};
-
-/// How many fenced transactions may be in flight at once.
-const IN_FLIGHT: usize = 32;
-
-struct Write {
-    compares: Vec<Compare>,
-    ops: Vec<TxnOp>,
-    reply: oneshot::Sender<Result<Commit, FenceError>>,
-}
+use crate::store::group::{self, Fence, GroupCommit, Limits};
+use crate::store::{self, Write};
 
 #[derive(Clone)]
 pub struct Writer {
-    tx: mpsc::Sender<Write>,
+    group: GroupCommit,
     term: Term,
 }
 
 impl Writer {
-    /// Starts the writer task; it stops when the term ends.
+    /// Starts the term's committer; it stops when the term ends.
     pub fn start(term: &Term) -> Writer {
-        let (tx, rx) = mpsc::channel::<Write>(1024);
+        let t = term.clone();
+        let fence = Fence {
+            compare: term.fence(),
+            valid: Box::new(move || t.check().is_ok()),
+        };
+        let (group, run) = GroupCommit::new(
+            term.store().clone(),
+            Some(fence),
+            "fenced txn",
+            Limits::default(),
+        );
         let t = term.clone();
         term.tracker().spawn(async move {
-            let work = ReceiverStream::new(rx).for_each_concurrent(IN_FLIGHT, |w| {
-                let t = t.clone();
-                async move {
-                    let _ = w.reply.send(t.commit(w.compares, w.ops).await);
-                }
-            });
             tokio::select! {
-                _ = work => {}
+                _ = run => {}
                 _ = t.ended() => {}
             }
         });
         Writer {
-            tx,
+            group,
             term: term.clone(),
         }
     }
@@ -51,24 +44,18 @@ impl Writer {
         &self.term
     }
 
-    pub async fn commit(
-        &self,
-        compares: Vec<Compare>,
-        ops: Vec<TxnOp>,
-    ) -> Result<Commit, FenceError> {
-        let deposed = || FenceError::Deposed {
-            term: self.term.revision(),
-        };
+    /// Commits `write` under the term's fence. `Err(Deposed)`: the term is over.
+    pub async fn commit(&self, write: Write) -> Result<Commit, FenceError> {
         self.term.check()?;
-        let (reply, answer) = oneshot::channel();
-        self.tx
-            .send(Write {
-                compares,
-                ops,
-                reply,
-            })
-            .await
-            .map_err(|_| deposed())?;
-        answer.await.map_err(|_| deposed())?
+        let term = self.term.revision();
+        match self.group.commit(write).await {
+            Ok(group::Outcome::Applied { revision, response }) => {
+                Ok(Commit::Applied { revision, response })
+            }
+            Ok(group::Outcome::Conflict { response, .. }) => Ok(Commit::Conflict(response)),
+            Ok(group::Outcome::Fenced) => Err(self.term.fenced_out()),
+            Err(store::Error::Stopped) => Err(FenceError::Deposed { term }),
+            Err(source) => Err(FenceError::Store { term, source }),
+        }
     }
 }

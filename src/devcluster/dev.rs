@@ -13,17 +13,8 @@ use crate::proto::GetLeaderRequest;
 
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let bin = std::env::current_exe().context("locating the baton binary")?;
-    let (_tmp, dir) = match &args.dir {
-        Some(d) => (None, d.clone()),
-        None => {
-            let t = tempfile::Builder::new()
-                .prefix("baton-dev-")
-                .tempdir()
-                .context("creating a temporary folder")?;
-            let p = t.path().to_path_buf();
-            (Some(t), p)
-        }
-    };
+    let (_tmp, dir) =
+        super::workdir(args.dir.as_deref(), "baton-dev-").context("creating a temporary folder")?;
     let mut etcd = EtcdCluster::start(&args.etcd_bin, &dir.join("etcd"), 1)?;
     println!(
         "etcd:     {} (data in {})",

@@ -226,6 +226,14 @@ impl EtcdCluster {
         self.members.len()
     }
 
+    /// `127.0.0.1:port` of every member's plain HTTP `/metrics` and `/health` listener.
+    pub fn metrics_addrs(&self) -> Vec<String> {
+        self.members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.metrics_port))
+            .collect()
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -324,19 +332,21 @@ fn which(bin: &Path) -> Result<(), Error> {
     }
 }
 
-/// `GET /health` on the member's client port answers `{"health":"true"}` once it has a leader.
+/// `GET /health` on the member's metrics port answers `{"health":"true"}` once it has a leader.
 fn health_ok(addr: &str) -> bool {
+    http_get(addr, "/health", Duration::from_millis(1000))
+        .is_some_and(|body| body.contains("\"health\":\"true\""))
+}
+
+/// The whole answer (status line and headers included) to a plain HTTP/1.0 `GET` on loopback.
+pub fn http_get(addr: &str, path: &str, timeout: Duration) -> Option<String> {
     use std::io::{Read, Write};
-    let Ok(sock) = addr.parse() else { return false };
-    let Ok(mut s) = std::net::TcpStream::connect_timeout(&sock, Duration::from_millis(200)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_millis(1000)));
-    let req = format!("GET /health HTTP/1.0\r\nHost: {addr}\r\n\r\n");
-    if s.write_all(req.as_bytes()).is_err() {
-        return false;
-    }
+    let sock = addr.parse().ok()?;
+    let mut s = std::net::TcpStream::connect_timeout(&sock, Duration::from_millis(200)).ok()?;
+    s.set_read_timeout(Some(timeout)).ok()?;
+    let req = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    s.write_all(req.as_bytes()).ok()?;
     let mut body = String::new();
     let _ = s.read_to_string(&mut body);
-    body.contains("\"health\":\"true\"")
+    Some(body)
 }

@@ -279,14 +279,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
             "the {f} fault needs separate workers (--workers 2, say)"
         );
     }
-    let (tmp, dir) = match &args.dir {
-        Some(d) => (None, d.clone()),
-        None => {
-            let t = tempfile::Builder::new().prefix("baton-drill-").tempdir()?;
-            let p = t.path().to_path_buf();
-            (Some(t), p)
-        }
-    };
+    let (tmp, dir) = crate::devcluster::workdir(args.dir.as_deref(), "baton-drill-")?;
     eprintln!("drill: seed {seed}, folder {}", dir.display());
     // From here on a signal ends the drill in order, and --duration counts.
     let control = Control::start(args.duration, args.rounds)?;

@@ -20,7 +20,7 @@ pub use term::{Commit, FenceError, Term};
 
 use std::time::{Duration, SystemTime};
 
-use etcd_client::{Compare, CompareOp, LeaderKey, PutOptions, ResignOptions, TxnOp};
+use etcd_client::{LeaderKey, ResignOptions};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::BootInstant;
 use crate::metrics;
 use crate::rolelog;
-use crate::store::{self, Keys, Store};
+use crate::store::{self, Keys, Store, Write};
 
 /// Who this replica is right now. Every leader task selects on changes of this value.
 #[derive(Clone, Debug)]
@@ -289,13 +289,12 @@ pub async fn confirm(
         advertise: config.advertise.clone(),
         elected_at: Some(humantime::format_rfc3339_millis(elected_at).to_string()),
     };
-    let put = TxnOp::put(
+    let write = Write::new().when_leased(key.key(), lease.id()).put_leased(
         key.key(),
         serde_json::to_vec(&record).expect("a candidate record serializes"),
-        Some(PutOptions::new().with_lease(lease.id())),
+        lease.id(),
     );
-    let same_lease = Compare::lease(key.key(), CompareOp::Equal, lease.id());
-    let written = term.commit(vec![same_lease], vec![put]);
+    let written = term.commit(write);
     let (proven, written) = tokio::join!(proven, written);
     match proven? {
         Some(p) => lease.record(p),

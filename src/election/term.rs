@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse, TxnResponse};
+use etcd_client::{Compare, CompareOp, TxnOpResponse, TxnResponse};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -22,7 +22,7 @@ use super::lease::KeepaliveStats;
 use super::LeaderInfo;
 use crate::clock::BootInstant;
 use crate::rolelog;
-use crate::store::{self, Store};
+use crate::store::{self, Store, Write};
 
 #[derive(Debug, thiserror::Error)]
 pub enum FenceError {
@@ -186,24 +186,13 @@ impl Term {
         Compare::create_revision(self.0.key.clone(), CompareOp::Equal, self.revision())
     }
 
-    /// Commits `ops` if the fence and `compares` hold. See the module doc for the outcomes.
-    /// After a timeout the write may or may not have committed: a retry is safe only if its
-    /// compares make a second commit a no-op.
-    pub async fn commit(
-        &self,
-        compares: Vec<Compare>,
-        ops: Vec<TxnOp>,
-    ) -> Result<Commit, FenceError> {
+    /// Commits `write` if the fence and its own compares hold, as a transaction of its own.
+    /// See the module doc for the outcomes. After a timeout the write may or may not have
+    /// committed: a retry is safe only if its compares make a second commit a no-op. (The
+    /// leader's job writes go through the coordinator's group committer instead.)
+    pub async fn commit(&self, write: Write) -> Result<Commit, FenceError> {
         self.check()?;
-        let nested = !compares.is_empty();
-        let txn = if nested {
-            let inner = Txn::new().when(compares).and_then(ops);
-            Txn::new()
-                .when([self.fence()])
-                .and_then([TxnOp::txn(inner)])
-        } else {
-            Txn::new().when([self.fence()]).and_then(ops)
-        };
+        let txn = write.into_fenced_txn(self.fence());
         let mut client = self.0.store.client();
         let resp = self
             .0
@@ -215,26 +204,36 @@ impl Term {
                 source,
             })?;
         if !resp.succeeded() {
-            self.end("fence compare failed: the election key is gone or was replaced");
-            return Err(FenceError::Deposed {
-                term: self.revision(),
-            });
+            return Err(self.fenced_out());
         }
         let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
-        if !nested {
-            return Ok(Commit::Applied {
-                revision,
-                response: resp,
-            });
-        }
         match resp.op_responses().into_iter().next() {
             Some(TxnOpResponse::Txn(inner)) if inner.succeeded() => Ok(Commit::Applied {
                 revision,
                 response: inner,
             }),
             Some(TxnOpResponse::Txn(inner)) => Ok(Commit::Conflict(inner)),
-            _ => unreachable!("a fenced nested txn answers with its inner txn"),
+            _ => Err(FenceError::Store {
+                term: self.revision(),
+                source: store::Error::Shared {
+                    op: "fenced txn",
+                    reason: "etcd answered a nested write with something else".into(),
+                },
+            }),
         }
+    }
+
+    /// The fence compare failed: the term is over for good.
+    pub(crate) fn fenced_out(&self) -> FenceError {
+        self.end("fence compare failed: the election key is gone or was replaced");
+        FenceError::Deposed {
+            term: self.revision(),
+        }
+    }
+
+    /// The etcd handle the term writes through.
+    pub(crate) fn store(&self) -> &Store {
+        &self.0.store
     }
 
     /// Ends the term: one-way, idempotent, logged once with its reason. Returns whether this

@@ -10,12 +10,10 @@ pub mod records;
 pub mod spec;
 pub mod work;
 
-use etcd_client::{
-    Compare, CompareOp, GetOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
-};
+use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
 
 use crate::store::codec::{self, Corrupt};
-use crate::store::{self, Keys, Store};
+use crate::store::{self, GroupCommit, Keys, Store, Write};
 use records::{CancelRequest, JobResult, RegistryEntry, RegistryStatus, TerminalStatus};
 use spec::{Invalid, JobRecord, JobSpec};
 
@@ -81,6 +79,48 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// Brings the snapshot up to a watch event on one of the job's keys (its attempt records
+    /// included). A value that does not decode is left out, as a fresh read would leave it.
+    pub fn apply(&mut self, keys: &Keys, deleted: bool, kv: &etcd_client::KeyValue) {
+        let k = keys.job(&self.id);
+        let key = kv.key();
+        let value = (!deleted).then(|| kv.value());
+        self.revision = self.revision.max(kv.mod_revision());
+        if key == k.spec.as_bytes() {
+            self.spec = value.and_then(|v| {
+                let r = codec::decode(key, v, spec::JOB_RECORD_VERSION).ok()?;
+                Some((r, kv.create_revision()))
+            });
+        } else if key == k.registry.as_bytes() {
+            self.registry = value.and_then(|v| {
+                let e = codec::decode_any(key, v, records::REGISTRY_VERSIONS_READ).ok()?;
+                Some((e, kv.mod_revision()))
+            });
+        } else if key == k.dirty.as_bytes() {
+            self.dirty =
+                value.and_then(|v| codec::decode_any(key, v, records::RESULT_VERSIONS_READ).ok());
+            self.dirty_rev = if deleted { 0 } else { kv.mod_revision() };
+        } else if key == k.clean.as_bytes() {
+            self.clean =
+                value.and_then(|v| codec::decode_any(key, v, records::RESULT_VERSIONS_READ).ok());
+        } else if key == k.cancel.as_bytes() {
+            self.cancel = value.and_then(|v| codec::decode(key, v, records::CANCEL_VERSION).ok());
+        } else if key == k.cleanup_now.as_bytes() {
+            self.cleanup_now = !deleted;
+        } else if let Some(token) =
+            Keys::id_in(&keys.attempts_of(&self.id), key).and_then(|t| t.parse::<i64>().ok())
+        {
+            match value.and_then(|v| codec::decode(key, v, work::ATTEMPT_VERSION).ok()) {
+                Some(rec) => {
+                    self.attempts.insert(token, (rec, kv.mod_revision()));
+                }
+                None => {
+                    self.attempts.remove(&token);
+                }
+            }
+        }
+    }
+
     pub fn exists(&self) -> bool {
         self.spec.is_some()
             || self.registry.is_some()
@@ -115,7 +155,14 @@ impl Snapshot {
     }
 }
 
-fn gets(keys: &Keys, id: &str) -> Vec<TxnOp> {
+/// One read of a job's snapshot.
+enum Get {
+    Key(String),
+    Prefix(String),
+}
+
+/// What a snapshot of job `id` reads, in the order [`snapshot_from`] takes the answers.
+fn gets(keys: &Keys, id: &str) -> Vec<Get> {
     let k = keys.job(id);
     [
         k.spec,
@@ -126,12 +173,19 @@ fn gets(keys: &Keys, id: &str) -> Vec<TxnOp> {
         k.cleanup_now,
     ]
     .into_iter()
-    .map(|key| TxnOp::get(key, None))
-    .chain([TxnOp::get(
-        keys.attempts_of(id),
-        Some(GetOptions::new().with_prefix()),
-    )])
+    .map(Get::Key)
+    .chain([Get::Prefix(keys.attempts_of(id))])
     .collect()
+}
+
+fn get_ops(keys: &Keys, id: &str) -> Vec<TxnOp> {
+    gets(keys, id)
+        .into_iter()
+        .map(|g| match g {
+            Get::Key(key) => TxnOp::get(key, None),
+            Get::Prefix(p) => TxnOp::get(p, Some(GetOptions::new().with_prefix())),
+        })
+        .collect()
 }
 
 /// Builds a snapshot from the answers to [`gets`], in order.
@@ -212,7 +266,7 @@ pub async fn read(store: &Store, keys: &Keys, id: &str) -> Result<Snapshot, Erro
     spec::validate_id(id)?;
     let mut c = store.client();
     let resp = store
-        .timed("read job", c.txn(Txn::new().and_then(gets(keys, id))))
+        .timed("read job", c.txn(Txn::new().and_then(get_ops(keys, id))))
         .await?;
     let rev = resp.header().map(|h| h.revision()).unwrap_or(0);
     Ok(snapshot_from(id, rev, resp.op_responses())?)
@@ -226,9 +280,11 @@ pub struct Submitted {
     pub created: bool,
 }
 
-/// Submits `spec` as job `id`. See the module doc for the idempotence rules.
+/// Submits `spec` as job `id` through `group` (concurrent submissions share transactions).
+/// See the module doc for the idempotence rules. One round trip: a failed put-if-absent
+/// answers with the existing job's keys.
 pub async fn submit(
-    store: &Store,
+    group: &GroupCommit,
     keys: &Keys,
     id: &str,
     spec: JobSpec,
@@ -245,27 +301,28 @@ pub async fn submit(
         submitted_at_ms: records::now_ms(),
         submitted_by: Some(submitted_by.to_string()),
     };
-    let absent = |key: &str| Compare::version(key, CompareOp::Equal, 0);
-    let txn = Txn::new()
-        .when([
-            absent(&k.spec),
-            absent(&k.registry),
-            absent(&k.dirty),
-            absent(&k.clean),
-        ])
-        .and_then([
-            TxnOp::put(k.spec.clone(), codec::encode(&record), None),
-            TxnOp::put(
-                k.registry.clone(),
-                codec::encode(&RegistryEntry::pending()),
-                None,
-            ),
-        ])
-        .or_else(gets(keys, id));
-    let mut c = store.client();
-    let resp = store.timed("submit", c.txn(txn)).await?;
-    let rev = resp.header().map(|h| h.revision()).unwrap_or(0);
-    if resp.succeeded() {
+    let write = Write::new()
+        .when_absent(k.spec.clone())
+        .when_absent(k.registry.clone())
+        .when_absent(k.dirty.clone())
+        .when_absent(k.clean.clone())
+        .put(k.spec.clone(), codec::encode(&record))
+        .put(k.registry.clone(), codec::encode(&RegistryEntry::pending()));
+    let write = gets(keys, id).into_iter().fold(write, |w, g| match g {
+        Get::Key(key) => w.or_get(key),
+        Get::Prefix(p) => w.or_get_prefix(p),
+    });
+    let (rev, resp) = match group.commit(write).await? {
+        store::group::Outcome::Applied { revision, .. } => (revision, None),
+        store::group::Outcome::Conflict { revision, response } => (revision, Some(response)),
+        store::group::Outcome::Fenced => {
+            return Err(Error::Store(store::Error::Shared {
+                op: "submit",
+                reason: "a fence failed on an unfenced submission".into(),
+            }))
+        }
+    };
+    let Some(resp) = resp else {
         let snapshot = Snapshot {
             id: id.to_string(),
             spec: Some((record, rev)),
@@ -277,7 +334,7 @@ pub async fn submit(
             snapshot,
             created: true,
         });
-    }
+    };
     let existing = snapshot_from(id, rev, resp.op_responses())?;
     if existing.spec_hash() == Some(hash.as_str()) {
         return Ok(Submitted {
@@ -357,21 +414,51 @@ pub async fn page_ids(
     limit: i64,
     revision: i64,
 ) -> Result<(Vec<etcd_client::KeyValue>, i64), Error> {
-    let start = if after.is_empty() {
-        prefix.to_string()
-    } else {
-        format!("{prefix}{after}\0")
-    };
-    let end = prefix_end(prefix);
-    let mut opts = GetOptions::new()
-        .with_range(end)
-        .with_limit(limit)
-        .with_sort(SortTarget::Key, SortOrder::Ascend);
+    page(store, Range::after(prefix, after), limit, revision, false).await
+}
+
+/// A key range `[start, end)`.
+#[derive(Clone, Debug)]
+pub struct Range {
+    pub start: Vec<u8>,
+    pub end: Vec<u8>,
+}
+
+impl Range {
+    /// The keys under `prefix` that sort after `prefix + after` (all of them for `""`).
+    pub fn after(prefix: &str, after: &str) -> Range {
+        let start = if after.is_empty() {
+            prefix.to_string()
+        } else {
+            format!("{prefix}{after}\0")
+        };
+        Range {
+            start: start.into_bytes(),
+            end: prefix_end(prefix),
+        }
+    }
+}
+
+/// At most `limit` keys of `range` in key order (values too unless `keys_only`), read at
+/// `revision` (0: now). Returns them and the revision they were read at, to pin the next page.
+pub async fn page(
+    store: &Store,
+    range: Range,
+    limit: i64,
+    revision: i64,
+    keys_only: bool,
+) -> Result<(Vec<etcd_client::KeyValue>, i64), Error> {
+    // Keys come in ascending order without asking. Asking (any sort order) makes etcd read the
+    // whole rest of the range for every page before it truncates: quadratic over the pages.
+    let mut opts = GetOptions::new().with_range(range.end).with_limit(limit);
     if revision > 0 {
         opts = opts.with_revision(revision);
     }
+    if keys_only {
+        opts = opts.with_keys_only();
+    }
     let mut c = store.client();
-    let resp = store.timed("list", c.get(start, Some(opts))).await?;
+    let resp = store.timed("list", c.get(range.start, Some(opts))).await?;
     // A pinned read answers with the store's current revision in its header, not the pinned
     // one: a caller that chained that into its next page (or its watch) would skip every change
     // in between.

@@ -6,9 +6,13 @@
 //! bounded by [`Store::timed`] instead.
 
 pub mod codec;
+pub mod group;
 mod keys;
+mod write;
 
+pub use group::GroupCommit;
 pub use keys::{JobKeys, Keys};
+pub use write::Write;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -40,6 +44,11 @@ pub enum Error {
         waited: Duration,
         last: String,
     },
+    /// A batch of writes failed together; each write gets this copy of the cause.
+    #[error("etcd {op} failed: {reason}")]
+    Shared { op: &'static str, reason: String },
+    #[error("the committer stopped before the write was answered")]
+    Stopped,
 }
 
 impl Error {
@@ -50,6 +59,33 @@ impl Error {
     /// The lease named in the request no longer exists (expired or revoked).
     pub fn is_lease_not_found(&self) -> bool {
         matches!(self, Error::Etcd { source, .. } if is_lease_not_found(source))
+    }
+
+    /// etcd refused the request as such (too many operations, a key put twice, too large):
+    /// nothing of it was applied, and sending it again unchanged fails again.
+    pub fn is_malformed_request(&self) -> bool {
+        matches!(self, Error::Etcd { source: etcd_client::Error::GRpcStatus(s), .. }
+            if matches!(s.code(), tonic::Code::InvalidArgument | tonic::Code::ResourceExhausted))
+    }
+
+    /// The same failure, for one more waiter: timeouts stay timeouts (the write may have
+    /// committed), anything else keeps its message.
+    pub fn shared(&self, reason: &str) -> Error {
+        match self {
+            Error::Timeout { op, timeout } => Error::Timeout {
+                op,
+                timeout: *timeout,
+            },
+            Error::Etcd { op, .. } | Error::Shared { op, .. } => Error::Shared {
+                op,
+                reason: reason.to_string(),
+            },
+            Error::Stopped => Error::Stopped,
+            _ => Error::Shared {
+                op: "batch",
+                reason: reason.to_string(),
+            },
+        }
     }
 }
 

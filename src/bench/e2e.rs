@@ -1,0 +1,197 @@
+//! Scenario `e2e`: trivial jobs (`true`) from submission to a clean result, on coordinator-only
+//! replicas and separate workers, with what each job cost etcd (from etcd's own counters).
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::anyhow;
+use etcd_client::{EventType, WatchOptions};
+use futures_util::StreamExt;
+use serde::Serialize;
+
+use super::cluster::{BenchCluster, Shape};
+use super::etcdstats::{self, Counts};
+use super::submit::trivial;
+use crate::config::BenchArgs;
+use crate::proto;
+use crate::store::Keys;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct EndToEnd {
+    pub jobs: usize,
+    pub workers: usize,
+    /// Jobs per second from the first submission until the last result was recorded (dirty).
+    pub results_per_sec: f64,
+    /// Jobs per second from the first submission until the last result was clean.
+    pub clean_per_sec: f64,
+    pub seconds: f64,
+    /// What etcd answered and applied per job, submission and cleanup included.
+    pub etcd_requests_per_job: f64,
+    pub etcd_txns_per_job: f64,
+    pub etcd_writes_per_job: f64,
+    /// Settings the run needed beyond the defaults.
+    pub settings: String,
+}
+
+/// Submitting clients.
+const CLIENTS: usize = 64;
+
+pub async fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<EndToEnd> {
+    let replica_args: Vec<String> = [
+        "--max-starts-per-second",
+        "10000",
+        "--cleanup-concurrency",
+        "256",
+    ]
+    .map(String::from)
+    .to_vec();
+    let settings = format!(
+        "coordinators {}; workers --max-running 128",
+        replica_args.join(" ")
+    );
+    let c = BenchCluster::start(
+        args,
+        dir,
+        Shape {
+            replicas: 3,
+            workers: args.workers,
+            replica_args,
+            worker_args: vec!["--max-running".into(), "128".into()],
+        },
+    )?;
+    let (leader, _) = c.wait_leader(0, Duration::from_secs(60)).await?;
+    let keys = Keys::new(super::cluster::CLUSTER);
+    let store = c.store().await?;
+    wait_workers(&store, &keys, args.workers).await?;
+    let follower = (leader + 1) % c.replicas.len();
+    let client = c.jobs_client(follower).await?;
+    etcdstats::quiesce(&c.etcd, Duration::from_secs(30)).await;
+
+    let rev = {
+        let mut kv = store.client();
+        kv.get(keys.prefix(), None)
+            .await?
+            .header()
+            .map_or(0, |h| h.revision())
+    };
+    let mut watcher = store.client();
+    let opts = || {
+        Some(
+            WatchOptions::new()
+                .with_prefix()
+                .with_start_revision(rev + 1),
+        )
+    };
+    let mut stream = watcher.watch(keys.dirty(), opts()).await?;
+    stream.watch(keys.clean(), opts()).await?;
+
+    let before = etcdstats::read(&c.etcd).await;
+    let n = args.e2e_jobs;
+    let started = Instant::now();
+    let submitting = tokio::spawn({
+        let client = client.clone();
+        async move {
+            futures_util::stream::iter(0..n)
+                .for_each_concurrent(CLIENTS, |i| {
+                    let mut client = client.clone();
+                    async move {
+                        for _ in 0..5 {
+                            let r = client
+                                .submit_job(proto::SubmitJobRequest {
+                                    job_id: format!("e2e-{i}"),
+                                    spec: Some(trivial()),
+                                })
+                                .await;
+                            if r.is_ok() {
+                                return;
+                            }
+                        }
+                    }
+                })
+                .await
+        }
+    });
+    let (mut dirty, mut clean) = (HashSet::new(), HashSet::new());
+    let (mut results_at, mut clean_at) = (None, None);
+    let bound = Duration::from_secs(120) + Duration::from_millis(50) * n as u32;
+    let deadline = tokio::time::Instant::now() + bound;
+    while clean.len() < n {
+        let msg = tokio::time::timeout_at(deadline, stream.message()).await;
+        let resp = match msg {
+            Ok(Ok(Some(r))) => r,
+            Ok(_) => return Err(anyhow!("the benchmark's watch on etcd ended")),
+            Err(_) => {
+                return Err(anyhow!(
+                    "only {} of {n} jobs were clean after {bound:?} ({} with a result)",
+                    clean.len(),
+                    dirty.len()
+                ))
+            }
+        };
+        for ev in resp.events() {
+            let Some(kv) = ev.kv() else { continue };
+            if ev.event_type() != EventType::Put {
+                continue;
+            }
+            if let Some(id) = Keys::id_in(&keys.dirty(), kv.key()) {
+                dirty.insert(id.to_string());
+                if dirty.len() == n {
+                    results_at = Some(started.elapsed());
+                }
+            } else if let Some(id) = Keys::id_in(&keys.clean(), kv.key()) {
+                clean.insert(id.to_string());
+                if clean.len() == n {
+                    clean_at = Some(started.elapsed());
+                }
+            }
+        }
+    }
+    let _ = submitting.await;
+    let clean_at = clean_at.unwrap_or_else(|| started.elapsed());
+    let results_at = results_at.unwrap_or(clean_at);
+    let spent: Counts = etcdstats::read(&c.etcd).await - before;
+    let per = |x: f64| x / n.max(1) as f64;
+    Ok(EndToEnd {
+        jobs: n,
+        workers: args.workers,
+        results_per_sec: n as f64 / results_at.as_secs_f64(),
+        clean_per_sec: n as f64 / clean_at.as_secs_f64(),
+        seconds: clean_at.as_secs_f64(),
+        etcd_requests_per_job: per(spent.requests),
+        etcd_txns_per_job: per(spent.txns),
+        etcd_writes_per_job: per(spent.writes),
+        settings,
+    })
+}
+
+/// Waits until `n` workers are registered.
+pub async fn wait_workers(
+    store: &crate::store::Store,
+    keys: &Keys,
+    n: usize,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut kv = store.client();
+        let count = kv
+            .get(
+                keys.workers(),
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_count_only(),
+                ),
+            )
+            .await
+            .map(|r| r.count() as usize)
+            .unwrap_or(0);
+        if count >= n {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(anyhow!("only {count} of {n} workers registered within 60s"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -1,0 +1,265 @@
+//! What `baton bench` prints: a table per scenario and the targets met or missed, or all of it
+//! as JSON.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use super::e2e::EndToEnd;
+use super::failover::Failover;
+use super::footprint::Footprint;
+use super::recovery::Recovery;
+use super::submit::Point;
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Report {
+    pub cores: usize,
+    pub etcd_members: usize,
+    pub lease_ttl_ms: u64,
+    pub submit_seconds: f64,
+    pub submit: Option<Vec<Point>>,
+    pub e2e: Option<EndToEnd>,
+    pub recovery: Option<Vec<Recovery>>,
+    pub failover: Option<Failover>,
+    pub footprint: Option<Footprint>,
+    pub targets: Vec<Target>,
+}
+
+/// One goal of the performance issue and how this run did.
+#[derive(Clone, Debug, Serialize)]
+pub struct Target {
+    pub what: String,
+    pub goal: String,
+    pub measured: String,
+    pub met: bool,
+}
+
+impl Report {
+    /// Fills in [`Report::targets`] from the figures present.
+    pub fn judge(&mut self) {
+        let mut t = Vec::new();
+        let mut add = |what: &str, goal: &str, measured: String, met: bool| {
+            t.push(Target {
+                what: what.into(),
+                goal: goal.into(),
+                measured,
+                met,
+            })
+        };
+        if let Some(p) = self
+            .submit
+            .as_ref()
+            .and_then(|s| s.iter().max_by_key(|p| p.concurrency))
+        {
+            add(
+                &format!("submit at C={}", p.concurrency),
+                ">= 1.0x raw (aim 3x)",
+                format!("{:.2}x", p.ratio),
+                p.ratio >= 1.0,
+            );
+            add(
+                &format!("submit p99 at C={}", p.concurrency),
+                "<= 2x raw",
+                format!("{:.2}x", p.p99_ratio),
+                p.p99_ratio <= 2.0,
+            );
+        }
+        if let Some(e) = &self.e2e {
+            add(
+                &format!("end-to-end, {} workers", e.workers),
+                ">= 1,000 jobs/s to a result",
+                format!("{:.0} jobs/s", e.results_per_sec),
+                e.results_per_sec >= 1000.0,
+            );
+        }
+        for r in self.recovery.iter().flatten() {
+            let (goal, bound) = if r.jobs <= 10_000 {
+                ("< 0.5 s per 10,000", 500.0 * r.jobs as f64 / 10_000.0)
+            } else {
+                ("< 5 s per 100,000", 5000.0 * r.jobs as f64 / 100_000.0)
+            };
+            add(
+                &format!("recovery of {} jobs", r.jobs),
+                goal,
+                format!("{:.0} ms", r.recovery_ms),
+                r.recovery_ms < bound.max(1.0),
+            );
+        }
+        if let Some(f) = &self.failover {
+            add(
+                "failover, SIGTERM p99 (until served)",
+                "< 50 ms",
+                format!("{:.0} ms", f.term_serving.p99_ms),
+                f.term_serving.p99_ms < 50.0,
+            );
+            let bound = f.lease_ttl_ms as f64 + 600.0;
+            add(
+                "failover, SIGKILL p99 (until served)",
+                &format!("< TTL + 0.6 s = {bound:.0} ms"),
+                format!("{:.0} ms", f.kill_serving.p99_ms),
+                f.kill_serving.p99_ms < bound,
+            );
+        }
+        if let Some(f) = &self.footprint {
+            for (who, u) in [
+                ("idle follower", &f.idle_follower),
+                ("idle worker", &f.idle_worker),
+            ] {
+                add(
+                    who,
+                    "< 30 MB and < 1% of a core",
+                    format!("{:.1} MB, {:.2}%", u.rss_mb, u.cpu_percent),
+                    u.rss_mb < 30.0 && u.cpu_percent < 1.0,
+                );
+            }
+        }
+        self.targets = t;
+    }
+
+    /// The human-readable table.
+    pub fn table(&self) -> String {
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "baton bench: {} cores, etcd of {} member(s), lease TTL {} ms",
+            self.cores, self.etcd_members, self.lease_ttl_ms
+        );
+        if let Some(points) = &self.submit {
+            let _ = writeln!(
+                o,
+                "\nsubmit: SubmitJob to one replica vs raw etcd txn of the same shape, {:.1} s per run",
+                self.submit_seconds
+            );
+            let _ = writeln!(
+                o,
+                "  {:>4} | {:>8} {:>7} {:>7} | {:>8} {:>7} {:>7} | {:>6} {:>9}",
+                "C",
+                "raw/s",
+                "p50 ms",
+                "p99 ms",
+                "baton/s",
+                "p50 ms",
+                "p99 ms",
+                "ratio",
+                "p99 ratio"
+            );
+            for p in points {
+                let _ = writeln!(
+                    o,
+                    "  {:>4} | {:>8.0} {:>7.2} {:>7.2} | {:>8.0} {:>7.2} {:>7.2} | {:>5.2}x {:>8.2}x",
+                    p.concurrency,
+                    p.raw.ops_per_sec,
+                    p.raw.p50_ms,
+                    p.raw.p99_ms,
+                    p.baton.ops_per_sec,
+                    p.baton.p50_ms,
+                    p.baton.p99_ms,
+                    p.ratio,
+                    p.p99_ratio
+                );
+            }
+        }
+        if let Some(e) = &self.e2e {
+            let _ = writeln!(
+                o,
+                "\nend-to-end: {} trivial jobs, {} workers ({})",
+                e.jobs, e.workers, e.settings
+            );
+            let _ = writeln!(
+                o,
+                "  {:.0} jobs/s to a result, {:.0} jobs/s to clean ({:.1} s); per job etcd answered {:.1} requests ({:.1} transactions) and applied {:.1} writes",
+                e.results_per_sec,
+                e.clean_per_sec,
+                e.seconds,
+                e.etcd_requests_per_job,
+                e.etcd_txns_per_job,
+                e.etcd_writes_per_job
+            );
+        }
+        if let Some(rs) = &self.recovery {
+            let _ = writeln!(
+                o,
+                "\nrecovery: new leader after a SIGKILL, from its term's start"
+            );
+            let _ = writeln!(
+                o,
+                "  {:>7} {:>6} {:>6} {:>6} | {:>11} {:>11} {:>11} | {:>11} | {:>10}",
+                "jobs",
+                "live",
+                "dead",
+                "dirty",
+                "registry ms",
+                "cleanups ms",
+                "recovery ms",
+                "raw read ms",
+                "leader MB"
+            );
+            for r in rs {
+                let _ = writeln!(
+                    o,
+                    "  {:>7} {:>6} {:>6} {:>6} | {:>11.0} {:>11.0} {:>11.0} | {:>11.0} | {:>10.1}",
+                    r.jobs,
+                    r.running_live,
+                    r.running_dead,
+                    r.dirty,
+                    r.registry_ms,
+                    r.cleanups_ms,
+                    r.recovery_ms,
+                    r.raw_read_ms,
+                    r.leader.rss_mb
+                );
+            }
+        }
+        if let Some(f) = &self.failover {
+            let _ = writeln!(
+                o,
+                "\nfailover: {} SIGKILLs and {} SIGTERMs of the leader, TTL {} ms",
+                f.kill_serving.n, f.term_serving.n, f.lease_ttl_ms
+            );
+            let _ = writeln!(
+                o,
+                "  {:<38} {:>8} {:>8} {:>8}",
+                "", "p50 ms", "p99 ms", "max ms"
+            );
+            for (what, s) in [
+                ("SIGKILL: without a leader", &f.kill_leaderless),
+                ("SIGKILL: until the new leader serves", &f.kill_serving),
+                ("SIGTERM: without a leader", &f.term_leaderless),
+                ("SIGTERM: until the new leader serves", &f.term_serving),
+            ] {
+                let _ = writeln!(
+                    o,
+                    "  {what:<38} {:>8.0} {:>8.0} {:>8.0}",
+                    s.p50_ms, s.p99_ms, s.max_ms
+                );
+            }
+            let _ = writeln!(o, "  overlapping terms: {}", f.overlapping_terms);
+        }
+        if let Some(f) = &self.footprint {
+            let _ = writeln!(o, "\nfootprint: over {:.1} s", f.window_seconds);
+            let _ = writeln!(o, "  {:<30} {:>8} {:>8}", "", "RSS MB", "CPU %");
+            let leader = format!("leader holding {} jobs", f.leader_jobs);
+            for (who, u) in [
+                ("idle follower", &f.idle_follower),
+                ("idle worker", &f.idle_worker),
+                (leader.as_str(), &f.leader),
+            ] {
+                let _ = writeln!(o, "  {who:<30} {:>8.1} {:>8.2}", u.rss_mb, u.cpu_percent);
+            }
+        }
+        if !self.targets.is_empty() {
+            let _ = writeln!(o, "\ntargets");
+            for t in &self.targets {
+                let _ = writeln!(
+                    o,
+                    "  {:<40} {:<30} {:>16}  {}",
+                    t.what,
+                    t.goal,
+                    t.measured,
+                    if t.met { "met" } else { "MISSED" }
+                );
+            }
+        }
+        o
+    }
+}

@@ -1,0 +1,222 @@
+//! One conditional write: compares, the operations applied when they hold, and the reads
+//! answered when they do not (so a failed compare needs no second round trip to explain
+//! itself).
+//!
+//! A [`Write`] knows which keys it compares and which it changes. That is what lets
+//! [`super::group`] put many writes into one etcd transaction: etcd evaluates every nested
+//! compare against the state *before* the transaction and refuses a transaction in which two
+//! branches put the same key, so only writes whose footprints are disjoint may share one.
+
+use etcd_client::{Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
+
+/// A single key, or every key under a prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Span {
+    Key(Vec<u8>),
+    Prefix(Vec<u8>),
+}
+
+impl Span {
+    fn overlaps(&self, other: &Span) -> bool {
+        match (self, other) {
+            (Span::Key(a), Span::Key(b)) => a == b,
+            (Span::Key(k), Span::Prefix(p)) | (Span::Prefix(p), Span::Key(k)) => k.starts_with(p),
+            (Span::Prefix(a), Span::Prefix(b)) => a.starts_with(b) || b.starts_with(a),
+        }
+    }
+}
+
+/// See the module doc. Built with chained calls:
+/// `Write::new().when_absent(k).put(k, v).or_get(k)`.
+#[derive(Clone, Debug, Default)]
+pub struct Write {
+    compares: Vec<Compare>,
+    then: Vec<TxnOp>,
+    otherwise: Vec<TxnOp>,
+    reads: Vec<Span>,
+    writes: Vec<Span>,
+    /// Keys and values carried, roughly what the request costs on the wire.
+    bytes: usize,
+}
+
+impl Write {
+    pub fn new() -> Write {
+        Write::default()
+    }
+
+    fn compare(mut self, key: impl Into<Vec<u8>>, make: impl FnOnce(Vec<u8>) -> Compare) -> Self {
+        let key = key.into();
+        self.bytes += key.len() + 16;
+        self.reads.push(Span::Key(key.clone()));
+        self.compares.push(make(key));
+        self
+    }
+
+    /// The key does not exist.
+    pub fn when_absent(self, key: impl Into<Vec<u8>>) -> Self {
+        self.compare(key, |k| Compare::version(k, CompareOp::Equal, 0))
+    }
+
+    /// The key exists.
+    pub fn when_present(self, key: impl Into<Vec<u8>>) -> Self {
+        self.compare(key, |k| Compare::version(k, CompareOp::Greater, 0))
+    }
+
+    /// The key exists with this create revision (one incarnation of it).
+    pub fn when_created(self, key: impl Into<Vec<u8>>, rev: i64) -> Self {
+        self.compare(key, |k| Compare::create_revision(k, CompareOp::Equal, rev))
+    }
+
+    /// The key was last changed at this revision (0: it does not exist).
+    pub fn when_modified(self, key: impl Into<Vec<u8>>, rev: i64) -> Self {
+        self.compare(key, |k| Compare::mod_revision(k, CompareOp::Equal, rev))
+    }
+
+    /// The key is attached to this lease.
+    pub fn when_leased(self, key: impl Into<Vec<u8>>, lease: i64) -> Self {
+        self.compare(key, |k| Compare::lease(k, CompareOp::Equal, lease))
+    }
+
+    pub fn put(self, key: impl Into<Vec<u8>>, value: impl Into<Vec<u8>>) -> Self {
+        self.put_with(key, value, None)
+    }
+
+    pub fn put_leased(
+        self,
+        key: impl Into<Vec<u8>>,
+        value: impl Into<Vec<u8>>,
+        lease: i64,
+    ) -> Self {
+        self.put_with(key, value, Some(PutOptions::new().with_lease(lease)))
+    }
+
+    fn put_with(
+        mut self,
+        key: impl Into<Vec<u8>>,
+        value: impl Into<Vec<u8>>,
+        options: Option<PutOptions>,
+    ) -> Self {
+        let (key, value) = (key.into(), value.into());
+        self.bytes += key.len() + value.len() + 8;
+        self.writes.push(Span::Key(key.clone()));
+        self.then.push(TxnOp::put(key, value, options));
+        self
+    }
+
+    pub fn delete(mut self, key: impl Into<Vec<u8>>) -> Self {
+        let key = key.into();
+        self.bytes += key.len() + 8;
+        self.writes.push(Span::Key(key.clone()));
+        self.then.push(TxnOp::delete(key, None));
+        self
+    }
+
+    pub fn delete_prefix(mut self, prefix: impl Into<Vec<u8>>) -> Self {
+        let prefix = prefix.into();
+        self.bytes += 2 * prefix.len() + 8;
+        self.writes.push(Span::Prefix(prefix.clone()));
+        self.then.push(TxnOp::delete(
+            prefix,
+            Some(DeleteOptions::new().with_prefix()),
+        ));
+        self
+    }
+
+    /// Read this key when the compares fail.
+    pub fn or_get(mut self, key: impl Into<Vec<u8>>) -> Self {
+        let key = key.into();
+        self.bytes += key.len() + 8;
+        self.otherwise.push(TxnOp::get(key, None));
+        self
+    }
+
+    /// Read every key under this prefix when the compares fail.
+    pub fn or_get_prefix(mut self, prefix: impl Into<Vec<u8>>) -> Self {
+        let prefix = prefix.into();
+        self.bytes += 2 * prefix.len() + 8;
+        self.otherwise
+            .push(TxnOp::get(prefix, Some(GetOptions::new().with_prefix())));
+        self
+    }
+
+    pub fn has_compares(&self) -> bool {
+        !self.compares.is_empty()
+    }
+
+    /// Roughly what this write costs in a request.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The most operations of any one branch (etcd's `--max-txn-ops` bounds each).
+    pub fn ops(&self) -> usize {
+        self.compares
+            .len()
+            .max(self.then.len())
+            .max(self.otherwise.len())
+    }
+
+    /// Whether the two cannot share a transaction: one changes a key the other changes or
+    /// compares.
+    pub fn conflicts_with(&self, other: &Write) -> bool {
+        let hits = |a: &[Span], b: &[Span]| a.iter().any(|x| b.iter().any(|y| x.overlaps(y)));
+        hits(&self.writes, &other.writes)
+            || hits(&self.writes, &other.reads)
+            || hits(&self.reads, &other.writes)
+    }
+
+    /// This write as a transaction of its own.
+    pub fn into_txn(self) -> Txn {
+        Txn::new()
+            .when(self.compares)
+            .and_then(self.then)
+            .or_else(self.otherwise)
+    }
+
+    /// This write as a transaction guarded by `fence` too: the fence outside, this write nested
+    /// inside with its own compares (so a failed compare of its own is told apart from a failed
+    /// fence).
+    pub fn into_fenced_txn(self, fence: Compare) -> Txn {
+        Txn::new()
+            .when([fence])
+            .and_then([TxnOp::txn(self.into_txn())])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Write;
+
+    #[test]
+    fn footprints_decide_who_may_share_a_transaction() {
+        let a = Write::new().when_absent("/j/a").put("/j/a", "1");
+        let b = Write::new().when_absent("/j/b").put("/j/b", "1");
+        assert!(!a.conflicts_with(&b));
+        // The same key put twice, or compared by one and changed by the other.
+        let a2 = Write::new().put("/j/a", "2");
+        assert!(a.conflicts_with(&a2));
+        let reads_a = Write::new().when_modified("/j/a", 3).put("/x", "1");
+        assert!(reads_a.conflicts_with(&a2) && a2.conflicts_with(&reads_a));
+        // A prefix delete covers the keys under it, and only those.
+        let wipe = Write::new().delete_prefix("/attempts/a/");
+        assert!(wipe.conflicts_with(&Write::new().put("/attempts/a/7", "x")));
+        assert!(!wipe.conflicts_with(&Write::new().put("/attempts/ab/7", "x")));
+        // Reads alone never conflict.
+        let r1 = Write::new().when_present("/k").or_get("/k");
+        let r2 = Write::new().when_absent("/k").or_get("/k");
+        assert!(!r1.conflicts_with(&r2));
+    }
+
+    #[test]
+    fn ops_counts_the_largest_branch() {
+        let w = Write::new()
+            .when_absent("a")
+            .when_absent("b")
+            .put("a", "1")
+            .or_get("a")
+            .or_get("b")
+            .or_get("c");
+        assert_eq!(w.ops(), 3);
+        assert!(w.bytes() > 0);
+    }
+}
