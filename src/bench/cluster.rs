@@ -102,7 +102,10 @@ impl BenchCluster {
         Ok(())
     }
 
-    fn spec(&self, id: String, extra_args: Vec<String>, worker: bool) -> ReplicaSpec {
+    fn spec(&self, id: String, mut extra_args: Vec<String>, worker: bool) -> ReplicaSpec {
+        // Every process serves /metrics, for a look at what it did (`baton bench --dir`).
+        let metrics = format!("127.0.0.1:{}", free_port());
+        extra_args.extend(["--metrics-listen".into(), metrics]);
         ReplicaSpec {
             id,
             bin: self.bin.clone(),

@@ -25,7 +25,7 @@ use super::recovery::{self, Found, FoundJob};
 use super::transition::{self, transition, Outcome};
 use super::{cleanup, Ctx, Writer};
 use crate::election::Term;
-use crate::jobs::records::{self, RegistryStatus};
+use crate::jobs::records::{self, RegistryEntry, RegistryStatus};
 use crate::jobs::work::{
     AttemptRecord, AttemptState, WorkerRecord, ATTEMPT_VERSION, WORKER_VERSION,
 };
@@ -36,12 +36,13 @@ use crate::store::{codec, Keys};
 /// Leads one term: recovery, then the watches, until the term ends.
 pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
     let writer = Writer::start(&term);
+    let fleet = Arc::new(Mutex::new(Fleet::new()));
     term.tracker()
-        .spawn(cleanup::run(ctx.clone(), writer.clone()).in_current_span());
+        .spawn(cleanup::run(ctx.clone(), writer.clone(), fleet.clone()).in_current_span());
     let mut actor = Actor {
         ctx: ctx.clone(),
         writer,
-        fleet: Arc::new(Mutex::new(Fleet::new())),
+        fleet,
         assigned: HashMap::new(),
         used: HashMap::new(),
         inflight: HashSet::new(),
@@ -55,6 +56,7 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
         tasks: JoinSet::new(),
         task_jobs: HashMap::new(),
         recovery: Some(Recovering::default()),
+        early_starts: HashMap::new(),
     };
     'resync: loop {
         let mut take = |found| actor.take(found);
@@ -216,12 +218,14 @@ struct Actor {
     /// Which job (and which reserved slot) each transition task is for.
     task_jobs: HashMap<tokio::task::Id, (String, Option<Pick>)>,
     recovery: Option<Recovering>,
+    /// `started` records that came while their job's transition was in flight, by token.
+    early_starts: HashMap<String, i64>,
 }
 
-/// Transitions talking to etcd at once: a lost worker with hundreds of jobs, or a recovery,
-/// queues its reads instead of sending them all at once, which timed etcd out and cost
-/// leases; queued ones hold no task, so 100,000 of them cost little memory.
-const TRANSITIONS_AT_ONCE: usize = 64;
+/// Transitions at once. Their reads and writes are batched (a few transactions in flight
+/// whatever their number), so a lost worker with hundreds of jobs, or a recovery, cannot
+/// storm etcd; the rest queue, holding no task, so 100,000 of them cost little memory.
+const TRANSITIONS_AT_ONCE: usize = 512;
 
 /// A random delay below `max_ms`.
 fn jitter_ms(max_ms: u64) -> u64 {
@@ -323,7 +327,7 @@ impl Actor {
                 .assigned
                 .get(id)
                 .is_some_and(|a| a.token == kv.mod_revision());
-            if !own_echo {
+            if !own_echo && !self.queue_pending(id, kv) {
                 self.reconcile(id.to_string());
             }
         } else if let Some(id) = Keys::id_in(&keys.cancel(), kv.key()) {
@@ -332,10 +336,43 @@ impl Actor {
             .and_then(|rest| rest.split_once('/'))
             .and_then(|(id, t)| Some((id.to_string(), t.parse::<i64>().ok()?)))
         {
-            if !self.started_as_known(&id, token, kv) {
+            if self.started_as_known(&id, token, kv) {
+                return;
+            }
+            if self.inflight.contains(&id) && is_started(kv) {
+                // Most likely the start of the assignment in flight: settled with it.
+                self.early_starts.insert(id, token);
+            } else {
                 self.reconcile(id);
             }
         }
+    }
+
+    /// A PENDING entry that could not start now anyway (others wait before it, or no slot is
+    /// free) waits without a read: its spec is read when a slot is offered. Whether it did.
+    fn queue_pending(&mut self, id: &str, kv: &etcd_client::KeyValue) -> bool {
+        if self.inflight.contains(id) || self.assigned.contains_key(id) {
+            return false;
+        }
+        let Ok(entry) = codec::decode_any::<RegistryEntry>(
+            kv.key(),
+            kv.value(),
+            records::REGISTRY_VERSIONS_READ,
+        ) else {
+            return false;
+        };
+        if entry.status != RegistryStatus::Pending {
+            return false;
+        }
+        let outcome = if entry.not_before_ms > records::now_ms() {
+            Outcome::Later(entry.not_before_ms)
+        } else if self.waiting.is_empty() && self.has_free_slot() {
+            return false;
+        } else {
+            Outcome::NeedSlot(kv.create_revision(), Selector::new())
+        };
+        self.apply(id.to_string(), outcome);
+        true
     }
 
     /// A `started` record of an assignment this term counts as running changes nothing but
@@ -344,10 +381,7 @@ impl Actor {
         let Some(a) = self.assigned.get(id).filter(|a| a.token == token) else {
             return false;
         };
-        let Ok(rec) = codec::decode::<AttemptRecord>(kv.key(), kv.value(), ATTEMPT_VERSION) else {
-            return false;
-        };
-        if rec.state != AttemptState::Started {
+        if !is_started(kv) {
             return false;
         }
         self.fleet
@@ -454,6 +488,19 @@ impl Actor {
     /// A transition of `id` ended with `outcome`.
     fn settle(&mut self, id: String, pick: Option<Pick>, outcome: Outcome) {
         self.inflight.remove(&id);
+        if let Some(token) = self.early_starts.remove(&id) {
+            match &outcome {
+                Outcome::Running {
+                    token: t,
+                    worker,
+                    rev,
+                    ..
+                } if *t == token => self.fleet.lock().expect("fleet lock").trust(worker, *rev),
+                _ => {
+                    self.recheck.insert(id.clone());
+                }
+            }
+        }
         if let Some(p) = &pick {
             self.release(&(p.id.clone(), p.rev));
             if !matches!(outcome, Outcome::Running { fresh: true, .. }) {
@@ -624,6 +671,12 @@ impl Actor {
             }
         }
     }
+}
+
+/// Whether an attempt record says `started`.
+fn is_started(kv: &etcd_client::KeyValue) -> bool {
+    codec::decode::<AttemptRecord>(kv.key(), kv.value(), ATTEMPT_VERSION)
+        .is_ok_and(|r| r.state == AttemptState::Started)
 }
 
 async fn sleep_until_opt(at: Option<Instant>) {

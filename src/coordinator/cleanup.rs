@@ -19,15 +19,17 @@
 //! run at once. Clean results are deleted after `--result-retention`, in small fenced batches.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use backoff::backoff::Backoff;
-use etcd_client::{TxnOp, WatchOptions};
+use etcd_client::WatchOptions;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
+use super::fleet::Fleet;
 use super::{CleanupConfig, Ctx, Writer};
+use crate::election::Commit;
 use crate::exec::record;
 use crate::jobs::records::{self, CleanupAssigned, JobResult, TerminalStatus};
 use crate::jobs::work::{
@@ -37,6 +39,7 @@ use crate::jobs::work::{
 use crate::jobs::{self, Snapshot};
 use crate::metrics;
 use crate::rolelog;
+use crate::store::group::Outcome;
 use crate::store::{codec, Keys, Write};
 
 /// What one cleanup run ended with.
@@ -51,12 +54,13 @@ enum Next {
 }
 
 /// Cleans every dirty result for as long as the writer's term lasts.
-pub async fn run(ctx: Arc<Ctx>, writer: Writer) {
+pub(super) async fn run(ctx: Arc<Ctx>, writer: Writer, fleet: Arc<Mutex<Fleet>>) {
     let term = writer.term().clone();
     let mut c = Cleaner {
         ctx: ctx.clone(),
         writer,
         wakers: Wakers::default(),
+        fleet,
         tasks: JoinSet::new(),
         queue: VecDeque::new(),
         inflight: HashSet::new(),
@@ -194,6 +198,7 @@ struct Cleaner {
     ctx: Arc<Ctx>,
     writer: Writer,
     wakers: Wakers,
+    fleet: Arc<Mutex<Fleet>>,
     tasks: JoinSet<(String, Next)>,
     queue: VecDeque<String>,
     /// Jobs queued or being cleaned.
@@ -220,8 +225,14 @@ impl Cleaner {
             };
             let (ctx, writer, wakers) =
                 (self.ctx.clone(), self.writer.clone(), self.wakers.clone());
+            let fleet = self.fleet.clone();
             self.tasks.spawn(async move {
-                let next = clean(&ctx, &writer, &wakers, &id).await;
+                let on = On {
+                    writer: &writer,
+                    wakers: &wakers,
+                    fleet: &fleet,
+                };
+                let next = clean(&ctx, &on, &id).await;
                 wakers.forget(&id);
                 (id, next)
             });
@@ -318,19 +329,27 @@ fn delay(cfg: &CleanupConfig, attempts: u32) -> Duration {
 }
 
 /// Runs the remaining stages of one job's cleanup.
-async fn clean(ctx: &Ctx, writer: &Writer, wakers: &Wakers, id: &str) -> Next {
+async fn clean(ctx: &Ctx, on: &On<'_>, id: &str) -> Next {
+    let writer = on.writer;
     let term = writer.term();
+    // After a write of its own the job's state is known without a read.
+    let mut known: Option<Snapshot> = None;
+    // A step it has just given out has no report yet: no need to look before a wake.
+    let mut just_assigned = false;
     loop {
         if term.check().is_err() {
             return Next::Stop;
         }
-        let snap = match jobs::read(&ctx.store, &ctx.keys, id).await {
-            Ok(s) => s,
-            Err(jobs::Error::Corrupt(_)) => return Next::Stop,
-            Err(e) => {
-                tracing::warn!(job_id = id, error = %e, "cannot read a dirty job");
-                return Next::At(records::now_ms() + 1000);
-            }
+        let snap = match known.take() {
+            Some(s) => s,
+            None => match ctx.read(id).await {
+                Ok(s) => s,
+                Err(jobs::Error::Corrupt(_)) => return Next::Stop,
+                Err(e) => {
+                    tracing::warn!(job_id = id, error = %e, "cannot read a dirty job");
+                    return Next::At(records::now_ms() + 1000);
+                }
+            },
         };
         let Some(mut result) = snap.dirty.clone() else {
             return Next::Done;
@@ -368,7 +387,8 @@ async fn clean(ctx: &Ctx, writer: &Writer, wakers: &Wakers, id: &str) -> Next {
             if stage == 1 {
                 remove_local_folder(ctx, id);
             }
-            stage_on_worker(ctx, writer, wakers, &snap, &result, &mut next).await
+            let fresh = std::mem::take(&mut just_assigned);
+            stage_on_worker(ctx, on, &snap, &result, &mut next, fresh).await
         };
         let assigned = next
             .cleanup
@@ -379,7 +399,11 @@ async fn clean(ctx: &Ctx, writer: &Writer, wakers: &Wakers, id: &str) -> Next {
         let mut failed = false;
         let p = &mut next.cleanup;
         match outcome {
-            Step::Assigned => continue,
+            Step::Assigned(rev, written) => {
+                known = Some(snap.after(written, rev));
+                just_assigned = true;
+                continue;
+            }
             Step::TermOver => return Next::Stop,
             Step::Done(ran) => {
                 p.attempts += u32::from(ran);
@@ -421,11 +445,9 @@ async fn clean(ctx: &Ctx, writer: &Writer, wakers: &Wakers, id: &str) -> Next {
         }
         next.cleanup.assigned = None;
         let ended = assigned.map(|a| ctx.keys.cleanup_assignment(&a.worker, a.worker_rev, id));
-        if record(ctx, writer, &snap, &next, compares, ended)
-            .await
-            .is_err()
-        {
-            return Next::At(records::now_ms() + 500);
+        match record(ctx, writer, &snap, &next, compares, ended).await {
+            Ok(rev) => known = Some(snap.after(next, rev)),
+            Err(()) => return Next::At(records::now_ms() + 500),
         }
         // Counted once it is recorded: an unrecorded failure is read and met again.
         if failed {
@@ -446,8 +468,8 @@ fn remove_local_folder(ctx: &Ctx, id: &str) {
 
 /// How one cleanup step on a worker went.
 enum Step {
-    /// Recorded in the dirty entry and assigned: look again.
-    Assigned,
+    /// Recorded in the dirty entry (as this, at this revision) and assigned: look again.
+    Assigned(i64, JobResult),
     /// It ran to a good end; `true` if it ran a command (counted as an attempt).
     Done(bool),
     Failed(String),
@@ -461,35 +483,34 @@ enum Step {
 /// or must be recorded.
 async fn stage_on_worker(
     ctx: &Ctx,
-    writer: &Writer,
-    wakers: &Wakers,
+    on: &On<'_>,
     snap: &Snapshot,
     result: &JobResult,
     next: &mut JobResult,
+    just_assigned: bool,
 ) -> Step {
-    let term = writer.term();
+    let term = on.writer.term();
     let id = snap.id.as_str();
     let folder = result.cleanup.stage == 1;
     let Some(a) = result.cleanup.assigned.clone() else {
-        return assign_step(ctx, writer, snap, result, next, folder).await;
+        return assign_step(ctx, on, snap, result, next, folder).await;
     };
     let record_key = ctx.keys.cleanup_record(id, &a.step);
     let worker_key = ctx.keys.worker(&a.worker);
     let first_look = tokio::time::Instant::now();
     let mut gone_at: Option<tokio::time::Instant> = None;
-    let wake = wakers.of(id);
+    let wake = on.wakers.of(id);
+    if just_assigned {
+        wait(&wake).await;
+    }
     loop {
         if term.check().is_err() {
             return Step::TermOver;
         }
-        let txn = etcd_client::Txn::new().and_then([
-            TxnOp::get(record_key.clone(), None),
-            TxnOp::get(worker_key.clone(), None),
-        ]);
-        let mut c = ctx.store.client();
-        let answers = match ctx.store.timed("read cleanup step", c.txn(txn)).await {
-            Ok(r) => r.op_responses(),
-            Err(_) => {
+        let read = Write::new().get(record_key.clone()).get(worker_key.clone());
+        let answers = match ctx.reads().commit(read).await {
+            Ok(Outcome::Applied { response, .. }) => response.op_responses(),
+            _ => {
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 continue;
             }
@@ -551,11 +572,16 @@ async fn stage_on_worker(
                 }
             }
         }
-        // The step's record wakes this at once; a worker's key going shows at the next look.
-        tokio::select! {
-            _ = wake.notified() => {}
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-        }
+        wait(&wake).await;
+    }
+}
+
+/// Until the step's record changes (it wakes this at once), or a second: a worker's key going
+/// shows at the next look.
+async fn wait(wake: &Notify) {
+    tokio::select! {
+        _ = wake.notified() => {}
+        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
     }
 }
 
@@ -563,14 +589,15 @@ async fn stage_on_worker(
 /// transaction that also compares the worker's key.
 async fn assign_step(
     ctx: &Ctx,
-    writer: &Writer,
+    on: &On<'_>,
     snap: &Snapshot,
     result: &JobResult,
     next: &mut JobResult,
     folder: bool,
 ) -> Step {
     let id = snap.id.as_str();
-    let workers = match live_workers(ctx).await {
+    let writer = on.writer;
+    let workers = match on.workers(ctx).await {
         Ok(w) => w,
         Err(e) => return Step::Again(format!("cannot list workers: {e}"), None),
     };
@@ -696,9 +723,9 @@ async fn assign_step(
         ctx.starts().give_back();
     }
     match committed {
-        Ok(c) if c.applied() => {
+        Ok(Commit::Applied { revision, .. }) => {
             tracing::info!(job_id = id, worker = %wid, step = %step, "cleanup step assigned");
-            Step::Assigned
+            Step::Assigned(revision, written)
         }
         Ok(_) => Step::Again(
             "the worker or the result changed; trying again".into(),
@@ -707,6 +734,42 @@ async fn assign_step(
         Err(crate::election::FenceError::Deposed { .. }) => Step::TermOver,
         // Whether it applied is unknown: the next pass reads the entry and knows.
         Err(e) => Step::Again(format!("cannot record the assignment: {e}"), None),
+    }
+}
+
+/// What one job's cleanup task works with besides the term's settings.
+struct On<'a> {
+    writer: &'a Writer,
+    wakers: &'a Wakers,
+    /// The term's view of the workers, once the actor has read them.
+    fleet: &'a Mutex<Fleet>,
+}
+
+impl On<'_> {
+    /// Live workers: id, incarnation, mod revision, record; from the term's view when it has
+    /// one (no read), else from etcd.
+    async fn workers(
+        &self,
+        ctx: &Ctx,
+    ) -> Result<Vec<(String, i64, i64, WorkerRecord)>, crate::store::Error> {
+        {
+            let f = self.fleet.lock().expect("fleet lock");
+            if f.loaded() {
+                return Ok(f
+                    .workers
+                    .values()
+                    .map(|w| {
+                        (
+                            w.record.worker_id.clone(),
+                            w.rev,
+                            w.mod_rev,
+                            w.record.clone(),
+                        )
+                    })
+                    .collect());
+            }
+        }
+        live_workers(ctx).await
     }
 }
 
@@ -744,7 +807,7 @@ async fn record(
     next: &JobResult,
     extra: Write,
     ended: Option<String>,
-) -> Result<(), ()> {
+) -> Result<i64, ()> {
     let k = ctx.keys.job(&snap.id);
     let mut write = extra
         .when_modified(k.dirty.clone(), snap.dirty_rev)
@@ -756,7 +819,7 @@ async fn record(
         write = write.delete(k.cleanup_now);
     }
     match writer.commit(write).await {
-        Ok(c) if c.applied() => Ok(()),
+        Ok(Commit::Applied { revision, .. }) => Ok(revision),
         _ => Err(()),
     }
 }

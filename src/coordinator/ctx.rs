@@ -5,7 +5,9 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::starts::StartBudget;
-use crate::store::{Keys, Store};
+use crate::jobs::{self, Snapshot};
+use crate::store::group::Limits;
+use crate::store::{GroupCommit, Keys, Store};
 
 #[derive(Clone, Debug)]
 pub struct CoordinatorConfig {
@@ -27,20 +29,37 @@ pub struct Ctx {
     pub(crate) config: CoordinatorConfig,
     /// One budget for every start: jobs and cleanup commands alike.
     starts: Mutex<StartBudget>,
+    /// Reads of whole jobs by the leader's tasks, batched: hundreds of transitions at once
+    /// cost etcd a few transactions.
+    reads: GroupCommit,
 }
 
 impl Ctx {
+    /// Must be called on the runtime: it starts the reads' committer.
     pub fn new(store: Store, keys: Keys, config: CoordinatorConfig) -> Ctx {
         let starts = Mutex::new(StartBudget::new(
             config.max_starts_per_second,
             Instant::now(),
         ));
+        let (reads, run) = GroupCommit::new(store.clone(), None, "read job", Limits::default());
+        tokio::spawn(run);
         Ctx {
             store,
             keys,
             config,
             starts,
+            reads,
         }
+    }
+
+    /// The leader's batched reads.
+    pub(crate) fn reads(&self) -> &GroupCommit {
+        &self.reads
+    }
+
+    /// Everything etcd holds about job `id`, read at one revision.
+    pub(crate) async fn read(&self, id: &str) -> Result<Snapshot, jobs::Error> {
+        jobs::read_batched(&self.reads, &self.keys, id).await
     }
 
     pub(crate) fn starts(&self) -> MutexGuard<'_, StartBudget> {

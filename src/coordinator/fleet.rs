@@ -62,6 +62,8 @@ pub(super) struct Fleet {
     pub(super) term_start: Instant,
     pub(super) workers: BTreeMap<String, WorkerView>,
     gone: HashMap<(String, i64), Instant>,
+    /// Whether the workers have been read (a term's first recovery) and followed since.
+    loaded: bool,
     /// Assignments this term made, by token, and when.
     assigned_at: HashMap<i64, Instant>,
     /// Incarnations that let an assignment time out: given nothing until then, unless they
@@ -74,6 +76,7 @@ impl Fleet {
         Fleet {
             term_start: Instant::now(),
             workers: BTreeMap::new(),
+            loaded: false,
             gone: HashMap::new(),
             assigned_at: HashMap::new(),
             suspect: HashMap::new(),
@@ -93,6 +96,12 @@ impl Fleet {
             }
         }
         self.workers = fresh;
+        self.loaded = true;
+    }
+
+    /// Whether [`Fleet::workers`] is the term's read of the workers yet.
+    pub(super) fn loaded(&self) -> bool {
+        self.loaded
     }
 
     /// A worker's key was put. Returns the incarnation it replaced, if any.

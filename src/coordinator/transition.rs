@@ -77,7 +77,7 @@ pub(super) async fn transition(
     if term.has_ended() {
         return Outcome::Idle;
     }
-    let snap = match jobs::read(&ctx.store, &ctx.keys, id).await {
+    let snap = match ctx.read(id).await {
         Ok(s) => s,
         Err(jobs::Error::Corrupt(_)) => return Outcome::Idle,
         Err(e) => {

@@ -121,6 +121,18 @@ impl Snapshot {
         }
     }
 
+    /// This snapshot after a write of its reader's own that put `dirty` at `revision` (and
+    /// took any cleanup-now request with it).
+    pub fn after(&self, dirty: JobResult, revision: i64) -> Snapshot {
+        Snapshot {
+            dirty: Some(dirty),
+            dirty_rev: revision,
+            cleanup_now: false,
+            revision,
+            ..self.clone()
+        }
+    }
+
     pub fn exists(&self) -> bool {
         self.spec.is_some()
             || self.registry.is_some()
@@ -270,6 +282,27 @@ pub async fn read(store: &Store, keys: &Keys, id: &str) -> Result<Snapshot, Erro
         .await?;
     let rev = resp.header().map(|h| h.revision()).unwrap_or(0);
     Ok(snapshot_from(id, rev, resp.op_responses())?)
+}
+
+/// [`read`] through `group`: concurrent reads share one transaction (one consistent
+/// revision each, as a read of its own would have).
+pub async fn read_batched(group: &GroupCommit, keys: &Keys, id: &str) -> Result<Snapshot, Error> {
+    spec::validate_id(id)?;
+    let write = gets(keys, id)
+        .into_iter()
+        .fold(Write::new(), |w, g| match g {
+            Get::Key(key) => w.get(key),
+            Get::Prefix(p) => w.get_prefix(p),
+        });
+    match group.commit(write).await? {
+        store::group::Outcome::Applied { revision, response } => {
+            Ok(snapshot_from(id, revision, response.op_responses())?)
+        }
+        _ => Err(Error::Store(store::Error::Shared {
+            op: "read job",
+            reason: "a read without compares did not apply".into(),
+        })),
+    }
 }
 
 /// Outcome of a submission.

@@ -66,7 +66,7 @@ impl Default for Limits {
         Limits {
             max_ops: 128,
             max_bytes: 1024 * 1024,
-            linger: Duration::from_millis(1),
+            linger: Duration::ZERO,
             in_flight: 4,
         }
     }

@@ -122,6 +122,24 @@ impl Write {
         self
     }
 
+    /// Read this key (with the operations, when the compares hold). A write of reads alone is
+    /// a read, batched like any write.
+    pub fn get(mut self, key: impl Into<Vec<u8>>) -> Self {
+        let key = key.into();
+        self.bytes += key.len() + 8;
+        self.then.push(TxnOp::get(key, None));
+        self
+    }
+
+    /// Read every key under this prefix (with the operations, when the compares hold).
+    pub fn get_prefix(mut self, prefix: impl Into<Vec<u8>>) -> Self {
+        let prefix = prefix.into();
+        self.bytes += 2 * prefix.len() + 8;
+        self.then
+            .push(TxnOp::get(prefix, Some(GetOptions::new().with_prefix())));
+        self
+    }
+
     /// Read this key when the compares fail.
     pub fn or_get(mut self, key: impl Into<Vec<u8>>) -> Self {
         let key = key.into();

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
+use etcd_client::TxnOpResponse;
 use tokio::sync::watch;
 
 use super::WorkerConfig;
@@ -26,7 +26,8 @@ use crate::exec::record::{self, KilledBy};
 use crate::exec::spawner::{self, Guard, Launch};
 use crate::jobs::records::now_ms;
 use crate::jobs::work::{Assignment, AssignmentKind, AttemptRecord, AttemptState, ATTEMPT_VERSION};
-use crate::store::{codec, Keys, Store};
+use crate::store::group::{GroupCommit, Outcome};
+use crate::store::{codec, Keys, Write};
 
 /// What the incarnation's loop wants from a running attempt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,7 +45,9 @@ pub(super) enum Control {
 
 /// What every attempt of one incarnation shares.
 pub(super) struct Incarnation {
-    pub(super) store: Store,
+    /// The attempts' reports (`started`, how they ended), committed together when many come
+    /// at once; each keeps its own compares.
+    pub(super) reports: GroupCommit,
     pub(super) keys: Keys,
     pub(super) config: WorkerConfig,
     /// The create revision of this incarnation's key.
@@ -415,19 +418,16 @@ async fn accept(inc: &Incarnation, keys: &Keyed, token: i64, started: &AttemptRe
     let until = tokio::time::Instant::now() + inc.config.assign_timeout / 2;
     let mut last = String::new();
     while tokio::time::Instant::now() < until {
-        let txn = Txn::new()
-            .when([
-                Compare::create_revision(worker_key.clone(), CompareOp::Equal, inc.rev),
-                Compare::mod_revision(assignment.clone(), CompareOp::Equal, token),
-                Compare::version(attempt.clone(), CompareOp::Equal, 0),
-            ])
-            .and_then([TxnOp::put(attempt.clone(), codec::encode(started), None)])
-            .or_else([TxnOp::get(attempt.clone(), None)]);
-        let mut c = inc.store.client();
-        match inc.store.timed("accept assignment", c.txn(txn)).await {
-            Ok(r) if r.succeeded() => return Accept::Yes,
-            Ok(r) => {
-                let mine = r.op_responses().into_iter().any(|op| match op {
+        let write = Write::new()
+            .when_created(worker_key.clone(), inc.rev)
+            .when_modified(assignment.clone(), token)
+            .when_absent(attempt.clone())
+            .put(attempt.clone(), codec::encode(started))
+            .or_get(attempt.clone());
+        match inc.reports.commit(write).await {
+            Ok(Outcome::Applied { .. }) => return Accept::Yes,
+            Ok(Outcome::Conflict { response, .. }) => {
+                let mine = response.op_responses().into_iter().any(|op| match op {
                     TxnOpResponse::Get(g) => g.kvs().first().is_some_and(|kv| {
                         codec::decode::<AttemptRecord>(kv.key(), kv.value(), ATTEMPT_VERSION)
                             .is_ok_and(|rec| {
@@ -438,6 +438,7 @@ async fn accept(inc: &Incarnation, keys: &Keyed, token: i64, started: &AttemptRe
                 });
                 return if mine { Accept::Yes } else { Accept::TakenAway };
             }
+            Ok(Outcome::Fenced) => return Accept::TakenAway,
             Err(e) => last = e.to_string(),
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -452,23 +453,17 @@ async fn report(inc: &Incarnation, keys: &Keyed, id: &str, token: i64, rec: Atte
     let attempt = keys.record.clone();
     let mut pause = Duration::from_millis(100);
     loop {
-        let txn = Txn::new()
-            .when([Compare::mod_revision(
-                assignment.clone(),
-                CompareOp::Equal,
-                token,
-            )])
-            .and_then([TxnOp::put(attempt.clone(), codec::encode(&rec), None)]);
-        let mut c = inc.store.client();
-        match inc.store.timed("report attempt", c.txn(txn)).await {
-            Ok(r) => {
-                if !r.succeeded() {
-                    tracing::info!(
-                        job_id = id,
-                        token,
-                        "the assignment was already ended; nothing reported"
-                    );
-                }
+        let write = Write::new()
+            .when_modified(assignment.clone(), token)
+            .put(attempt.clone(), codec::encode(&rec));
+        match inc.reports.commit(write).await {
+            Ok(Outcome::Applied { .. }) => return,
+            Ok(_) => {
+                tracing::info!(
+                    job_id = id,
+                    token,
+                    "the assignment was already ended; nothing reported"
+                );
                 return;
             }
             Err(e) => {

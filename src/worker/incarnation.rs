@@ -23,6 +23,7 @@ use super::WorkerConfig;
 use crate::election::Lease;
 use crate::jobs::work::{Assignment, ASSIGNMENT_VERSIONS_READ};
 use crate::metrics;
+use crate::store::group::{GroupCommit, Limits};
 use crate::store::{codec, Keys, Store};
 
 pub(super) enum End {
@@ -145,9 +146,12 @@ pub(super) async fn serve(
     stop: &CancellationToken,
 ) -> End {
     let watchdog = lease.watchdog(config.lease_ttl / 2);
+    let (reports, committer) =
+        GroupCommit::new(store.clone(), None, "report attempt", Limits::default());
+    tokio::spawn(committer);
     let mut lp = Loop {
         inc: Arc::new(Incarnation {
-            store: store.clone(),
+            reports,
             keys: keys.clone(),
             config: config.clone(),
             rev,
