@@ -400,7 +400,7 @@ async fn clean(ctx: &Ctx, on: &On<'_>, id: &str) -> Next {
         let p = &mut next.cleanup;
         match outcome {
             Step::Assigned(rev, written) => {
-                known = Some(snap.after(written, rev));
+                known = Some(snap.after(*written, rev));
                 just_assigned = true;
                 continue;
             }
@@ -469,7 +469,7 @@ fn remove_local_folder(ctx: &Ctx, id: &str) {
 /// How one cleanup step on a worker went.
 enum Step {
     /// Recorded in the dirty entry (as this, at this revision) and assigned: look again.
-    Assigned(i64, JobResult),
+    Assigned(i64, Box<JobResult>),
     /// It ran to a good end; `true` if it ran a command (counted as an attempt).
     Done(bool),
     Failed(String),
@@ -725,7 +725,7 @@ async fn assign_step(
     match committed {
         Ok(Commit::Applied { revision, .. }) => {
             tracing::info!(job_id = id, worker = %wid, step = %step, "cleanup step assigned");
-            Step::Assigned(revision, written)
+            Step::Assigned(revision, Box::new(written))
         }
         Ok(_) => Step::Again(
             "the worker or the result changed; trying again".into(),
