@@ -34,10 +34,11 @@ pub fn draw(points: &[Point], dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
 
 type Drawn = Result<(), Box<dyn std::error::Error>>;
 
+/// One point per concurrency, evenly spaced (labelled with the concurrency).
 fn throughput_chart(points: &[Point], path: &Path) -> Drawn {
     let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
     root.fill(&WHITE)?;
-    let max_c = points.iter().map(|p| p.concurrency).max().unwrap_or(1) as f64;
+    let last = points.len().saturating_sub(1) as f64;
     let max_y = points
         .iter()
         .map(|p| p.raw.ops_per_sec.max(p.baton.ops_per_sec))
@@ -51,40 +52,42 @@ fn throughput_chart(points: &[Point], path: &Path) -> Drawn {
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(70)
-        .build_cartesian_2d((1f64..max_c.max(2.0) * 1.2).log_scale(), 0f64..max_y)?;
+        .build_cartesian_2d(-0.3f64..last + 0.3, 0f64..max_y)?;
+    let label = |x: &f64| {
+        let i = x.round();
+        match points.get(i as usize) {
+            Some(p) if (x - i).abs() < 1e-6 && i >= 0.0 => p.concurrency.to_string(),
+            _ => String::new(),
+        }
+    };
     chart
         .configure_mesh()
+        .light_line_style(WHITE)
+        .x_labels(points.len().max(2))
+        .x_label_formatter(&label)
+        .y_label_formatter(&|y| format!("{y:.0}"))
         .x_desc("concurrent clients")
         .y_desc("per second")
         .draw()?;
     for (name, color, pick) in [
-        (
-            "raw etcd txn",
-            RAW,
-            (|p: &Point| p.raw.ops_per_sec) as fn(&Point) -> f64,
-        ),
+        ("raw etcd txn", RAW, (|p: &Point| p.raw.ops_per_sec) as fn(&Point) -> f64),
         ("baton SubmitJob", BATON, |p: &Point| p.baton.ops_per_sec),
     ] {
         let series: Vec<(f64, f64)> = points
             .iter()
-            .map(|p| (p.concurrency as f64, pick(p)))
+            .enumerate()
+            .map(|(i, p)| (i as f64, pick(p)))
             .collect();
         chart
             .draw_series(LineSeries::new(series.clone(), color.stroke_width(2)))?
             .label(name)
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-            });
-        chart.draw_series(
-            series
-                .into_iter()
-                .map(|p| Circle::new(p, 4, color.filled())),
-        )?;
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        chart.draw_series(series.into_iter().map(|p| Circle::new(p, 4, color.filled())))?;
     }
-    for p in points {
+    for (i, p) in points.iter().enumerate() {
         chart.draw_series(std::iter::once(Text::new(
             format!("{:.2}x", p.ratio),
-            (p.concurrency as f64, p.baton.ops_per_sec),
+            (i as f64 + 0.03, p.baton.ops_per_sec),
             ("sans-serif", 14).into_font().color(&BATON),
         )))?;
     }
@@ -113,6 +116,7 @@ fn cdf_chart(p: &Point, path: &Path) -> Drawn {
         .build_cartesian_2d(0f64..max_x, 0f64..1f64)?;
     chart
         .configure_mesh()
+        .light_line_style(WHITE)
         .x_desc("latency (ms)")
         .y_desc("fraction of requests")
         .draw()?;

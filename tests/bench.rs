@@ -1,0 +1,103 @@
+//! `baton bench` at tiny sizes, so it cannot rot: every scenario runs against its own etcd and
+//! cluster, the JSON report holds figures that could only come from real runs, and the
+//! pictures are drawn.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use support::run_cli;
+
+fn num(v: &Value, path: &[&str]) -> f64 {
+    let mut at = v;
+    for p in path {
+        at = match p.parse::<usize>() {
+            Ok(i) => &at[i],
+            Err(_) => &at[*p],
+        };
+    }
+    at.as_f64()
+        .unwrap_or_else(|| panic!("{} is not a number in {v:#}", path.join(".")))
+}
+
+#[test]
+fn every_scenario_runs_at_tiny_sizes_and_reports_real_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let plots = dir.path().join("plots");
+    let work = dir.path().join("work");
+    let (code, stdout, stderr) = run_cli(
+        &[
+            "bench",
+            "--json",
+            "--duration",
+            "300ms",
+            "--concurrency",
+            "1,4",
+            "--e2e-jobs",
+            "20",
+            "--workers",
+            "1",
+            "--recovery-jobs",
+            "300",
+            "--failovers",
+            "1",
+            "--dir",
+            work.to_str().unwrap(),
+            "--plot",
+            plots.to_str().unwrap(),
+        ],
+        Duration::from_secs(600),
+    );
+    assert_eq!(code, Some(0), "baton bench failed: {stderr}");
+    let report: Value = serde_json::from_str(&stdout).expect("--json prints JSON");
+
+    // submit: both loads ran at each concurrency, and the ratio is theirs.
+    let points = report["submit"].as_array().expect("submit points");
+    assert_eq!(points.len(), 2);
+    for (i, c) in [1.0, 4.0].into_iter().enumerate() {
+        let i = &i.to_string();
+        assert_eq!(num(&report, &["submit", i, "concurrency"]), c);
+        let raw = num(&report, &["submit", i, "raw", "ops_per_sec"]);
+        let baton = num(&report, &["submit", i, "baton", "ops_per_sec"]);
+        assert!(raw > 0.0 && baton > 0.0, "{report:#}");
+        let ratio = num(&report, &["submit", i, "ratio"]);
+        assert!((ratio - baton / raw).abs() < 1e-6);
+        assert!(num(&report, &["submit", i, "baton", "p99_ms"]) > 0.0);
+    }
+    // e2e: every job reached a clean result, and etcd counted what they cost.
+    assert_eq!(num(&report, &["e2e", "jobs"]), 20.0);
+    assert!(num(&report, &["e2e", "clean_per_sec"]) > 0.0);
+    assert!(num(&report, &["e2e", "etcd_requests_per_job"]) > 0.0);
+    assert!(num(&report, &["e2e", "etcd_writes_per_job"]) >= 4.0);
+    // recovery: the new leader logged both parts; the raw read is beside it.
+    assert_eq!(num(&report, &["recovery", "0", "jobs"]), 300.0);
+    assert!(num(&report, &["recovery", "0", "registry_ms"]) > 0.0);
+    assert!(num(&report, &["recovery", "0", "raw_read_ms"]) > 0.0);
+    assert!(num(&report, &["recovery", "0", "leader", "rss_mb"]) > 1.0);
+    // failover: one of each, and a SIGKILL waits out the lease (2 s TTL).
+    assert_eq!(num(&report, &["failover", "kill_serving", "n"]), 1.0);
+    assert_eq!(num(&report, &["failover", "term_serving", "n"]), 1.0);
+    assert!(num(&report, &["failover", "kill_leaderless", "p50_ms"]) >= 1500.0);
+    assert_eq!(num(&report, &["failover", "overlapping_terms"]), 0.0);
+    // footprint: real processes.
+    assert!(num(&report, &["footprint", "idle_follower", "rss_mb"]) > 1.0);
+    assert!(num(&report, &["footprint", "idle_worker", "rss_mb"]) > 1.0);
+    assert!(!report["targets"].as_array().unwrap().is_empty());
+    for name in ["submit-throughput.svg", "submit-latency-cdf.svg"] {
+        let svg = std::fs::read_to_string(plots.join(name)).unwrap();
+        assert!(svg.contains("<svg") && svg.contains("baton SubmitJob"), "{name}");
+    }
+}
+
+#[test]
+fn an_unknown_scenario_is_refused_with_the_known_ones() {
+    let (code, _, err) = run_cli(
+        &["bench", "--scenarios", "submit,warp"],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(1));
+    assert!(err.contains("warp") && err.contains("failover"), "{err}");
+}
+
