@@ -87,7 +87,10 @@ fn every_scenario_runs_at_tiny_sizes_and_reports_real_figures() {
     assert!(!report["targets"].as_array().unwrap().is_empty());
     for name in ["submit-throughput.svg", "submit-latency-cdf.svg"] {
         let svg = std::fs::read_to_string(plots.join(name)).unwrap();
-        assert!(svg.contains("<svg") && svg.contains("baton SubmitJob"), "{name}");
+        assert!(
+            svg.contains("<svg") && svg.contains("baton SubmitJob"),
+            "{name}"
+        );
     }
 }
 
@@ -100,4 +103,3 @@ fn an_unknown_scenario_is_refused_with_the_known_ones() {
     assert_eq!(code, Some(1));
     assert!(err.contains("warp") && err.contains("failover"), "{err}");
 }
-

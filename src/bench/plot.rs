@@ -70,7 +70,11 @@ fn throughput_chart(points: &[Point], path: &Path) -> Drawn {
         .y_desc("per second")
         .draw()?;
     for (name, color, pick) in [
-        ("raw etcd txn", RAW, (|p: &Point| p.raw.ops_per_sec) as fn(&Point) -> f64),
+        (
+            "raw etcd txn",
+            RAW,
+            (|p: &Point| p.raw.ops_per_sec) as fn(&Point) -> f64,
+        ),
         ("baton SubmitJob", BATON, |p: &Point| p.baton.ops_per_sec),
     ] {
         let series: Vec<(f64, f64)> = points
@@ -81,8 +85,14 @@ fn throughput_chart(points: &[Point], path: &Path) -> Drawn {
         chart
             .draw_series(LineSeries::new(series.clone(), color.stroke_width(2)))?
             .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
-        chart.draw_series(series.into_iter().map(|p| Circle::new(p, 4, color.filled())))?;
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+        chart.draw_series(
+            series
+                .into_iter()
+                .map(|p| Circle::new(p, 4, color.filled())),
+        )?;
     }
     for (i, p) in points.iter().enumerate() {
         chart.draw_series(std::iter::once(Text::new(

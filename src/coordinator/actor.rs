@@ -20,7 +20,7 @@ use etcd_client::{EventType, WatchOptions};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
-use super::fleet::{Fleet, Pick, Selector, WorkerView};
+use super::fleet::{Fleet, Liveness, Pick, Selector, WorkerView};
 use super::recovery::{self, Found, FoundJob};
 use super::transition::{self, transition, Outcome};
 use super::{cleanup, Ctx, Writer};
@@ -384,10 +384,9 @@ impl Actor {
         if !is_started(kv) {
             return false;
         }
-        self.fleet
-            .lock()
-            .expect("fleet lock")
-            .trust(&a.inc.0, a.inc.1);
+        let mut f = self.fleet.lock().expect("fleet lock");
+        f.trust(&a.inc.0, a.inc.1);
+        f.started(token);
         true
     }
 
@@ -411,7 +410,7 @@ impl Actor {
         if let Some(went) = went {
             // Its jobs may run until its TTL and margin have passed: look at them then.
             tracing::info!(worker = %wid, incarnation = went.rev, "worker gone");
-            let at = records::now_ms() + went.ttl.as_millis() as u64 + 1;
+            let at = records::now_ms().saturating_add(went.ttl.as_millis() as u64 + 1);
             let jobs: Vec<(String, i64)> = self
                 .assigned
                 .iter()
@@ -451,7 +450,13 @@ impl Actor {
             }
         }
         self.inflight.insert(id.clone());
-        self.ready.push_back((id, pick));
+        // One holding a slot and a start goes first: a backlog of looks must not hold starts
+        // back and release them in a burst.
+        if pick.is_some() {
+            self.ready.push_front((id, pick));
+        } else {
+            self.ready.push_back((id, pick));
+        }
         self.pump();
     }
 
@@ -562,10 +567,28 @@ impl Actor {
                     .or_default()
                     .insert(id);
             }
-            Outcome::Running { recheck, token, .. } => {
-                if let Some(at) = recheck {
-                    let wait = at.saturating_duration_since(Instant::now());
-                    let ms = records::now_ms() + wait.as_millis() as u64 + 1;
+            Outcome::Running {
+                recheck,
+                token,
+                worker,
+                rev,
+                ..
+            } => {
+                // Its worker may have gone while the transition ran (its deletion collected the
+                // jobs counted then, not this one): with no look planned, look again now.
+                let gone = || {
+                    let f = self.fleet.lock().expect("fleet lock");
+                    matches!(f.liveness(&worker, rev), Liveness::Gone(_))
+                };
+                let at = match recheck {
+                    None if gone() => Some(records::now_ms()),
+                    Some(at) => {
+                        let wait = at.saturating_duration_since(Instant::now());
+                        Some(records::now_ms().saturating_add(wait.as_millis() as u64 + 1))
+                    }
+                    None => None,
+                };
+                if let Some(ms) = at {
                     self.rechecks.entry(ms).or_default().push((id, token));
                 }
             }

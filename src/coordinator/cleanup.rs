@@ -697,7 +697,7 @@ async fn assign_step(
     written.cleanup.assigned = Some(CleanupAssigned {
         worker: wid.clone(),
         worker_rev: wrev,
-        worker_ttl_ms: rec.lease_ttl_ms + rec.margin_ms,
+        worker_ttl_ms: rec.lease_ttl_ms.saturating_add(rec.margin_ms),
         assign_timeout_ms: rec.assign_timeout_ms,
         step: step.clone(),
     });

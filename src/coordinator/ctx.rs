@@ -52,7 +52,7 @@ impl Ctx {
         }
     }
 
-    /// The leader's batched reads.
+    /// The leader's batched reads: unfenced, so only for writes that change nothing.
     pub(crate) fn reads(&self) -> &GroupCommit {
         &self.reads
     }

@@ -7,7 +7,7 @@
 //! incarnation is restarted only after that time plus the worker's TTL and margin, which covers
 //! keys deleted before the lease expired (a revoke, `etcdctl del`, etcd issue 15247).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::jobs::work::WorkerRecord;
@@ -38,6 +38,9 @@ pub(super) struct Pick {
     pub(super) labels: BTreeMap<String, String>,
 }
 
+/// How long an assignment's time is kept (far beyond any assign timeout).
+const ASSIGNED_KEPT: Duration = Duration::from_secs(600);
+
 /// A worker incarnation that went, and how long its jobs may still run after that (its TTL
 /// and margin): they are restarted no earlier.
 #[derive(Clone, Copy, Debug)]
@@ -50,7 +53,7 @@ impl Went {
     fn of(w: &WorkerView) -> Went {
         Went {
             rev: w.rev,
-            ttl: Duration::from_millis(w.record.lease_ttl_ms + w.record.margin_ms),
+            ttl: Duration::from_millis(w.record.lease_ttl_ms.saturating_add(w.record.margin_ms)),
         }
     }
 }
@@ -64,8 +67,10 @@ pub(super) struct Fleet {
     gone: HashMap<(String, i64), Instant>,
     /// Whether the workers have been read (a term's first recovery) and followed since.
     loaded: bool,
-    /// Assignments this term made, by token, and when.
+    /// Assignments this term made or first saw, by token, and when; with the same in time
+    /// order, to forget the old ones in O(1) each.
     assigned_at: HashMap<i64, Instant>,
+    assigned_order: VecDeque<(Instant, i64)>,
     /// Incarnations that let an assignment time out: given nothing until then, unless they
     /// record a start meanwhile.
     suspect: HashMap<(String, i64), Instant>,
@@ -79,6 +84,7 @@ impl Fleet {
             loaded: false,
             gone: HashMap::new(),
             assigned_at: HashMap::new(),
+            assigned_order: VecDeque::new(),
             suspect: HashMap::new(),
         }
     }
@@ -143,20 +149,38 @@ impl Fleet {
     }
 
     pub(super) fn assigned(&mut self, token: i64) {
+        self.saw_assignment(token);
+    }
+
+    /// Assignment `token`'s start is known: its deadline no longer matters.
+    pub(super) fn started(&mut self, token: i64) {
+        self.assigned_at.remove(&token);
+    }
+
+    fn saw_assignment(&mut self, token: i64) -> Instant {
         let now = Instant::now();
-        if self.assigned_at.len() > 10_000 {
-            // Long past any assign timeout: their start was recorded or they were reclaimed.
-            self.assigned_at
-                .retain(|_, at| now.duration_since(*at) < Duration::from_secs(3600));
+        // Long past any assign timeout: their start was recorded or they were reclaimed. One
+        // forgotten too early only gets a later deadline (counted anew from its next look).
+        while let Some((at, t)) = self.assigned_order.front().copied() {
+            if now.duration_since(at) < ASSIGNED_KEPT {
+                break;
+            }
+            self.assigned_order.pop_front();
+            if self.assigned_at.get(&t) == Some(&at) {
+                self.assigned_at.remove(&t);
+            }
         }
-        self.assigned_at.insert(token, now);
+        *self.assigned_at.entry(token).or_insert_with(|| {
+            self.assigned_order.push_back((now, token));
+            now
+        })
     }
 
     /// When the assignment `token` to `worker` must have a `started` record by: counted from
     /// when this term made it, or first saw it (adopted, or an assignment whose commit answer
     /// was lost).
     pub(super) fn accept_due(&mut self, worker: &str, token: i64) -> Instant {
-        let from = *self.assigned_at.entry(token).or_insert_with(Instant::now);
+        let from = self.saw_assignment(token);
         let timeout = self
             .workers
             .get(worker)
@@ -223,7 +247,7 @@ impl Fleet {
             id: w.record.worker_id.clone(),
             rev: w.rev,
             mod_rev: w.mod_rev,
-            ttl_ms: w.record.lease_ttl_ms + w.record.margin_ms,
+            ttl_ms: w.record.lease_ttl_ms.saturating_add(w.record.margin_ms),
             labels: w.record.labels.clone(),
         })
     }

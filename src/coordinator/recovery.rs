@@ -96,10 +96,10 @@ async fn read_pages(ctx: &Ctx, take: &mut (dyn FnMut(Found) + Send)) -> Result<i
             .iter()
             .filter_map(|kv| Keys::id_in(&prefix, kv.key()))
             .collect();
-        let (Some(first), Some(last)) = (ids.first(), ids.last()) else {
+        let Some(last) = ids.last() else {
             break;
         };
-        let attempts = attempts_between(ctx, first, last, rev).await?;
+        let attempts = attempts_of(ctx, &ids, rev).await?;
         let page = kvs
             .iter()
             .filter_map(|kv| {
@@ -156,17 +156,20 @@ async fn all_pages(
     }
 }
 
-/// The attempt records of the jobs `first..=last`, by (job, token), read at `rev`.
-async fn attempts_between(
+/// The attempt records of the jobs `ids` (one registry page), by (job, token), read at `rev`.
+/// `<id>/` keys do not sort like ids (`-` and `.` come before `/`): the range spans the
+/// smallest and largest of them, and what else it holds is left out.
+async fn attempts_of(
     ctx: &Ctx,
-    first: &str,
-    last: &str,
+    ids: &[&str],
     rev: i64,
 ) -> Result<HashMap<(String, i64), AttemptState>, jobs::Error> {
     let keys = &ctx.keys;
     let mut found = HashMap::new();
-    let end = jobs::prefix_end(&keys.attempts_of(last));
-    let mut start = keys.attempts_of(first).into_bytes();
+    let wanted: HashSet<&str> = ids.iter().copied().collect();
+    let Some(jobs::Range { mut start, end }) = attempts_range(keys, ids) else {
+        return Ok(found);
+    };
     loop {
         let range = jobs::Range {
             start: start.clone(),
@@ -176,6 +179,7 @@ async fn attempts_between(
         for kv in &kvs {
             let Some((job, token)) = Keys::id_in(&keys.attempts(), kv.key())
                 .and_then(|rest| rest.split_once('/'))
+                .filter(|(job, _)| wanted.contains(job))
                 .and_then(|(job, t)| Some((job.to_string(), t.parse::<i64>().ok()?)))
             else {
                 continue;
@@ -191,5 +195,36 @@ async fn attempts_between(
             }
             _ => return Ok(found),
         }
+    }
+}
+
+/// The smallest range that holds the attempt records of every job in `ids`.
+fn attempts_range(keys: &Keys, ids: &[&str]) -> Option<jobs::Range> {
+    let prefixes = ids.iter().map(|id| keys.attempts_of(id));
+    let (low, high) = (prefixes.clone().min()?, prefixes.max()?);
+    Some(jobs::Range {
+        start: low.into_bytes(),
+        end: jobs::prefix_end(&high),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::store::Keys;
+
+    #[test]
+    fn the_attempts_range_holds_every_job_of_the_page_whatever_its_characters() {
+        let keys = Keys::new("t");
+        // In id order, as a registry page comes; `-` and `.` sort before `/`.
+        let ids = ["job", "job-1", "job.x", "jobs"];
+        let r = super::attempts_range(&keys, &ids).unwrap();
+        for id in ids {
+            let key = keys.attempt(id, 12345).into_bytes();
+            assert!(
+                r.start <= key && key < r.end,
+                "{id}'s records fall outside the range"
+            );
+        }
+        assert!(super::attempts_range(&keys, &[]).is_none());
     }
 }

@@ -6,8 +6,10 @@
 //! - Each write keeps its own outcome: its compares decide whether *it* applies; a write whose
 //!   compares fail never fails its batch-mates.
 //! - Writes whose footprints meet (one changes a key another changes or compares) never share a
-//!   transaction; the later one waits for the next batch. etcd evaluates every nested compare
+//!   transaction; the later one goes in a later batch (which may be in flight beside the
+//!   first: no order is kept between concurrent writes). etcd evaluates every nested compare
 //!   before applying anything, so writes that share a transaction must not see each other.
+//!   Reads (`get`) are not part of a footprint: a read may see a batch-mate's write.
 //! - A batch stays within etcd's limits: [`Limits::max_ops`] (etcd's `--max-txn-ops`, 128 by
 //!   default, bounds the nested writes *plus* the most operations of any one of them: a nested
 //!   transaction gets what its parent level left) and about [`Limits::max_bytes`] of keys and
@@ -252,11 +254,17 @@ impl Committer {
             }
             Err(e) if e.is_malformed_request() && !single => {
                 let alone = copies.unwrap_or_default().into_iter().map(|w| async move {
-                    self.send(vec![w])
-                        .await
-                        .map(|mut o| o.pop().expect("one answer per write"))
+                    let mut answer = self.send(vec![w]).await?;
+                    answer.pop().ok_or(Error::Shared {
+                        op: self.op,
+                        reason: "etcd answered no nested write".into(),
+                    })
                 });
-                let answers = futures_util::future::join_all(alone).await;
+                // No more at once than batches would be.
+                let answers: Vec<_> = futures_util::stream::iter(alone)
+                    .buffered(self.limits.in_flight.max(1))
+                    .collect()
+                    .await;
                 for (reply, a) in replies.into_iter().zip(answers) {
                     let _ = reply.send(a);
                 }

@@ -64,8 +64,11 @@ impl Error {
     /// etcd refused the request as such (too many operations, a key put twice, too large):
     /// nothing of it was applied, and sending it again unchanged fails again.
     pub fn is_malformed_request(&self) -> bool {
+        // Not every ResourceExhausted: etcd also says so for "too many requests" and NOSPACE.
         matches!(self, Error::Etcd { source: etcd_client::Error::GRpcStatus(s), .. }
-            if matches!(s.code(), tonic::Code::InvalidArgument | tonic::Code::ResourceExhausted))
+            if s.code() == tonic::Code::InvalidArgument
+                || (s.code() == tonic::Code::ResourceExhausted
+                    && s.message().contains("larger than max")))
     }
 
     /// The same failure, for one more waiter: timeouts stay timeouts (the write may have
