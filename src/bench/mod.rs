@@ -20,6 +20,7 @@ mod recovery;
 mod report;
 mod stats;
 mod submit;
+mod usage;
 
 use anyhow::Context;
 

@@ -15,7 +15,7 @@ use futures_util::StreamExt;
 use serde::Serialize;
 
 use super::cluster::{ms_between, BenchCluster, Shape};
-use super::footprint::{self, Usage};
+use super::usage::{self, Usage};
 use crate::config::BenchArgs;
 use crate::jobs::records::{
     self, JobResult, RegistryEntry, RegistryStatus, TerminalStatus, REGISTRY_VERSION,
@@ -95,7 +95,7 @@ pub async fn run(args: &BenchArgs, dir: &Path, n: usize) -> anyhow::Result<Recov
         .boottime_ns;
     let registry_ms = ms_between(began, registry);
     let cleanups_ms = ms_between(began, cleanups);
-    let leader_usage = footprint::sample(c.replicas[leader].pid(), args.duration).await?;
+    let leader_usage = usage::sample(c.replicas[leader].pid(), args.duration).await?;
     let t = Instant::now();
     raw_read(&store, &keys).await?;
     let raw_read_ms = t.elapsed().as_secs_f64() * 1e3;

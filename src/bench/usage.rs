@@ -1,0 +1,71 @@
+//! What a process uses, read from `/proc`: resident memory, and CPU over a window.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context};
+use serde::Serialize;
+
+/// One process over a sampling window.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Usage {
+    pub rss_mb: f64,
+    /// Of one core, averaged over the window.
+    pub cpu_percent: f64,
+}
+
+/// Resident memory at the end of `window`, and CPU over it.
+pub async fn sample(pid: i32, window: Duration) -> anyhow::Result<Usage> {
+    let t0 = Instant::now();
+    let c0 = cpu_ticks(pid)?;
+    tokio::time::sleep(window).await;
+    let c1 = cpu_ticks(pid)?;
+    let secs = t0.elapsed().as_secs_f64();
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .unwrap_or(100) as f64;
+    Ok(Usage {
+        rss_mb: rss_kib(pid)? as f64 / 1024.0,
+        cpu_percent: 100.0 * (c1 - c0) as f64 / hz / secs,
+    })
+}
+
+/// utime + stime of a process, in clock ticks.
+fn cpu_ticks(pid: i32) -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("reading /proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .ok_or_else(|| anyhow!("unreadable /proc/{pid}/stat"))?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line: indexes 11 and 12 after the name.
+    let field = |i: usize| -> anyhow::Result<u64> {
+        fields
+            .get(i)
+            .and_then(|f| f.parse().ok())
+            .ok_or_else(|| anyhow!("unreadable /proc/{pid}/stat"))
+    };
+    Ok(field(11)? + field(12)?)
+}
+
+fn rss_kib(pid: i32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| anyhow!("no VmRSS in /proc/{pid}/status"))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn this_process_has_memory_and_cpu_ticks() {
+        let pid = std::process::id() as i32;
+        assert!(super::rss_kib(pid).unwrap() > 0);
+        super::cpu_ticks(pid).unwrap();
+    }
+}
