@@ -18,8 +18,9 @@
 //! - With a fence, the batch applies only while the fence holds; otherwise nothing of it does
 //!   and every write answers [`Outcome::Fenced`].
 //! - Nobody waits for company: a write that arrives while nothing is in flight is sent at once.
-//!   Batches form from what queues while earlier ones are in flight, plus a short linger
-//!   ([`Limits::linger`]) only while others are in flight.
+//!   Batches form from what queues while earlier ones are in flight, plus an optional linger
+//!   ([`Limits::linger`]) only while others are in flight. The default is none: a 1 ms linger
+//!   was measured (`baton bench`) and cost more latency at 16 clients than it gained at 64.
 //! - After a timeout a write may or may not have committed, exactly as a single transaction:
 //!   every write of that batch gets the error, and a retry is safe only if its compares make a
 //!   second commit a no-op.
