@@ -19,6 +19,23 @@ fn became<'a>(events: &'a [RoleEvent], replica: &str) -> Vec<&'a RoleEvent> {
         .collect()
 }
 
+/// Every role event, once `replica` has logged that it leads `term`: the others' observers name
+/// a new leader as soon as etcd does, a moment before it has proven its lease and logged it.
+async fn events_once_leading(c: &Cluster, replica: &str, term: i64) -> Vec<RoleEvent> {
+    wait_for(
+        &format!("{replica} to log that it leads term {term}"),
+        Duration::from_secs(10),
+        || {
+            let events = c.role_events();
+            let logged = events.iter().any(|e| {
+                e.replica == replica && e.event == "became_leader" && e.term == Some(term)
+            });
+            async move { logged.then_some(events) }
+        },
+    )
+    .await
+}
+
 fn stepped_down<'a>(events: &'a [RoleEvent], replica: &str, term: i64) -> Option<&'a RoleEvent> {
     events
         .iter()
@@ -118,7 +135,7 @@ async fn sigterm_hands_over_well_before_the_lease_could_expire() {
         took < c.ttl - Duration::from_millis(1250),
         "handover took {took:?}: the next leader waited for the lease to expire"
     );
-    let events = c.role_events();
+    let events = events_once_leading(&c, &new.replica_id, new.term).await;
     let down = stepped_down(&events, &old.replica_id, old.term)
         .expect("the old leader logged its step-down");
     assert_eq!(down.reason.as_deref(), Some("shutdown"));
@@ -184,7 +201,7 @@ async fn leader_cut_off_from_etcd_steps_down_before_anyone_else_leads() {
     let new = c
         .wait_leader(&rest, c.ttl * 3 + Duration::from_secs(5), |t| t > old.term)
         .await;
-    let events = c.role_events();
+    let events = events_once_leading(&c, &new.replica_id, new.term).await;
     let down = stepped_down(&events, &old.replica_id, old.term)
         .expect("the isolated leader must log its step-down");
     assert!(

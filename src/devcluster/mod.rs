@@ -27,10 +27,20 @@ pub fn workdir(
     }
 }
 
-/// A loopback port that was free a moment ago.
+/// A loopback port that was free a moment ago, and that this process has not handed out
+/// before: the kernel may give a port it just released to the next bind, which once gave two
+/// replicas of one cluster the same port.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("binding a loopback port")
+    static HANDED: std::sync::Mutex<Option<std::collections::HashSet<u16>>> =
+        std::sync::Mutex::new(None);
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("binding a loopback port");
+        let mut handed = HANDED.lock().unwrap_or_else(|e| e.into_inner());
+        if handed.get_or_insert_with(Default::default).insert(port) {
+            return port;
+        }
+    }
 }
