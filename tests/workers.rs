@@ -8,6 +8,7 @@ mod support;
 use std::path::Path;
 use std::time::Duration;
 
+use baton::devcluster::etcd::http_get;
 use baton::exec::record::KilledBy;
 use support::*;
 
@@ -46,9 +47,20 @@ async fn submit_held(c: &Cluster, out: &Path, n: usize) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_sigkill_handover_and_resign_restart_none_of_twenty_jobs_on_workers() {
-    let mut c = Cluster::start(worker_opts(2, &[]));
-    let (_, first) = c.leader_index().await;
+    let mut c = Cluster::start(Options {
+        metrics: true,
+        ..worker_opts(2, &[])
+    });
+    let (k, first) = c.leader_index().await;
     c.wait_workers(&["w1", "w2"]).await;
+    // The leader learns of workers from its watch, a moment after etcd: jobs submitted before
+    // it knows both would all go to one.
+    let addr = c.replica_metrics[k].to_string();
+    wait_until("the leader to count both workers live", LONG, || {
+        http_get(&addr, "/metrics", Duration::from_secs(2))
+            .is_some_and(|m| m.lines().any(|l| l == "baton_workers{state=\"live\"} 2"))
+    })
+    .await;
     let out = scratch(&c);
     let ids = submit_held(&c, &out, 20).await;
     let spread: std::collections::BTreeSet<String> = ids

@@ -420,6 +420,8 @@ impl Actor {
             self.rechecks.entry(at).or_default().extend(jobs);
         }
         self.fill_slots();
+        // Workers come and go rarely: the gauges follow at once.
+        self.report();
     }
 
     /// Re-examines job `id` from its current state in etcd.

@@ -13,6 +13,7 @@ use crate::clock::BootInstant;
 use crate::exec::record::{KilledBy, LedgerEntry};
 use crate::jobs::prefix_end;
 use crate::jobs::records::{self, JobResult};
+use crate::jobs::work::{AttemptRecord, AttemptState, ATTEMPT_VERSION};
 use crate::rolelog;
 use crate::store::codec;
 
@@ -101,24 +102,35 @@ async fn all(lab: &Target, suffix: &str) -> anyhow::Result<Vec<(String, Vec<u8>)
     }
 }
 
-/// Waits (bounded) until some job is RUNNING (on worker `on`, if given), so a fault has work
-/// to interrupt.
+/// Waits (bounded) until some job runs (on worker `on`, if given): RUNNING in the registry and
+/// its worker has recorded the start, so a fault has an execution to interrupt (an assignment
+/// not yet started would only be handed elsewhere).
 pub async fn wait_running(lab: &Target, within: Duration, on: Option<&str>) {
     let until = Instant::now() + within;
     while Instant::now() < until {
-        if let Ok(entries) = all(lab, "registry/").await {
-            let running = entries.iter().any(|(id, v)| {
-                codec::decode_any::<records::RegistryEntry>(
-                    id.as_bytes(),
-                    v,
-                    records::REGISTRY_VERSIONS_READ,
-                )
-                .is_ok_and(|e| {
-                    e.status == records::RegistryStatus::Running
-                        && on.is_none_or(|w| e.worker.as_deref() == Some(w))
+        if let (Ok(entries), Ok(attempts)) =
+            (all(lab, "registry/").await, all(lab, "attempts/").await)
+        {
+            let running: HashSet<&str> = entries
+                .iter()
+                .filter(|(id, v)| {
+                    codec::decode_any::<records::RegistryEntry>(
+                        id.as_bytes(),
+                        v,
+                        records::REGISTRY_VERSIONS_READ,
+                    )
+                    .is_ok_and(|e| e.status == records::RegistryStatus::Running)
                 })
+                .map(|(id, _)| id.as_str())
+                .collect();
+            let started = attempts.iter().any(|(key, v)| {
+                let job = key.split('/').next().unwrap_or_default();
+                running.contains(job)
+                    && codec::decode::<AttemptRecord>(key.as_bytes(), v, ATTEMPT_VERSION).is_ok_and(
+                        |r| r.state == AttemptState::Started && on.is_none_or(|w| r.worker == w),
+                    )
             });
-            if running {
+            if started {
                 return;
             }
         }
