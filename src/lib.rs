@@ -5,7 +5,8 @@
 //! does: the job actor, recovery, cleanup), `exec` (the spawner and the lease guard, which know
 //! nothing of leadership), `jobs` (specs and stored records), `api` (gRPC), `cli` (client
 //! commands), `server` (one replica wired together), `devcluster` (local clusters for `baton
-//! dev`, drills, benchmarks and tests), `bench` (`baton bench`), `rolelog` (the audit trail of leadership), `metrics` (what Prometheus scrapes).
+//! dev`, drills, benchmarks and tests), `bench` (`baton bench`), `rolelog` (the audit trail of leadership), `metrics` (what Prometheus scrapes), `retry` (every
+//! retry and backoff policy).
 
 pub mod api;
 pub mod bench;
@@ -20,6 +21,7 @@ pub mod exec;
 pub mod jobs;
 pub mod logging;
 pub mod metrics;
+pub mod retry;
 pub mod rolelog;
 pub mod security;
 pub mod server;

@@ -46,7 +46,7 @@ fn main() -> ExitCode {
                 JobCommand::Cancel(args) => baton::cli::jobs::cancel(&args).await,
                 JobCommand::Wait(args) => baton::cli::jobs::wait(&args).await,
                 JobCommand::Logs(args) => baton::cli::jobs::logs(&args).await,
-                JobCommand::Cleanup(args) => baton::cli::jobs::cleanup_now(&args).await,
+                JobCommand::Cleanup(args) => baton::cli::jobs::cleanup(&args).await,
             },
             Command::Drill(args) => {
                 let code = baton::drill::run(*args).await?;

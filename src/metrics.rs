@@ -69,6 +69,8 @@ pub struct Metrics {
     pub cleanups_pending: IntGauge,
     pub cleanups_needing_operator: IntGauge,
     pub cleanup_failures: IntCounter,
+    /// Registry entries found beside a result and removed.
+    pub stray_registry_entries: IntCounter,
     pub corrupt_values: IntCounter,
     pub submit_seconds: Histogram,
     etcd_seconds: HistogramVec,
@@ -205,7 +207,11 @@ impl Metrics {
             ),
             cleanup_failures: counter(
                 "baton_cleanup_failures_total",
-                "Cleanup stages that failed on this replica as leader.",
+                "Cleanup steps and stages that failed on this replica as leader.",
+            ),
+            stray_registry_entries: counter(
+                "baton_stray_registry_entries_total",
+                "Registry entries found beside a recorded result and removed with their assignment (the result is the last word).",
             ),
             corrupt_values: counter(
                 "baton_corrupt_values_total",

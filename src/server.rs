@@ -91,14 +91,14 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         retry_initial: args.retry_initial_delay,
         retry_max: args.retry_max_delay,
         cleanup: CleanupConfig {
-            initial_delay: args.cleanup_initial_delay,
-            max_delay: args.cleanup_max_delay,
-            max_attempts: args.cleanup_max_attempts,
+            policy: args.cleanup_policy()?,
             concurrency: args.cleanup_concurrency,
             timeout: args.cleanup_timeout,
             retention: args.result_retention,
             pause_after_stage: args.cleanup_pause_after_stage,
+            pause_after_step: args.test_cleanup_pause_after_step.clone(),
         },
+        pause_before_assign: args.test_pause_before_assign.clone(),
     };
     tokio::spawn(coordinator::run(
         store.clone(),

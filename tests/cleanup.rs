@@ -5,7 +5,7 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use baton::proto::{CleanupState, ListJobsRequest};
@@ -21,37 +21,12 @@ fn opts(extra: &[&str]) -> Options {
     }
 }
 
-fn cleanup_state(j: &Job) -> CleanupState {
-    j.cleanup
-        .as_ref()
-        .and_then(|c| CleanupState::try_from(c.state).ok())
-        .unwrap_or(CleanupState::Unspecified)
-}
-
-fn clean(j: &Job) -> bool {
-    cleanup_state(j) == CleanupState::CleanupDone
-}
-
 /// A job whose cleanup runs `script` with `$L` naming a folder outside the job's own.
 fn with_cleanup(job: &str, script: &str, ledger: &Path) -> JobSpec {
     let mut spec = sh(job);
     spec.cleanup_command = vec!["sh".into(), "-c".into(), script.into()];
     spec.env.insert("L".into(), ledger.display().to_string());
     spec
-}
-
-fn lines(p: &Path) -> Vec<String> {
-    std::fs::read_to_string(p)
-        .unwrap_or_default()
-        .lines()
-        .map(String::from)
-        .collect()
-}
-
-fn ledger_dir() -> (tempfile::TempDir, PathBuf) {
-    let t = tempfile::tempdir().unwrap();
-    let p = t.path().to_path_buf();
-    (t, p)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,8 +9,9 @@ use etcd_client::{EventType, WatchOptions};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::jobs::records::{self, JobResult, RegistryEntry, RegistryStatus};
-use crate::jobs::spec::{self, JobSpec};
+use crate::jobs::cleanup;
+use crate::jobs::records::{self, JobResult, RegistryEntry, RegistryStatus, StepState};
+use crate::jobs::spec::{self, CleanupStep, JobSpec, StepMode};
 use crate::jobs::{self, Snapshot, State};
 use crate::proto::{self, job_service_server::JobService};
 use crate::security::{caller_name, ClientSecurity};
@@ -57,6 +58,13 @@ fn state_proto(s: State) -> proto::JobState {
     }
 }
 
+fn mode_proto(m: StepMode) -> proto::CleanupStepMode {
+    match m {
+        StepMode::Ordered => proto::CleanupStepMode::CleanupStepOrdered,
+        StepMode::Concurrent => proto::CleanupStepMode::CleanupStepConcurrent,
+    }
+}
+
 fn spec_proto(s: &JobSpec) -> proto::JobSpec {
     proto::JobSpec {
         command: s.command.clone(),
@@ -65,10 +73,25 @@ fn spec_proto(s: &JobSpec) -> proto::JobSpec {
         max_attempts: s.max_attempts,
         timeout: prost_types::Duration::try_from(s.timeout).ok(),
         worker_selector: s.worker_selector.clone().into_iter().collect(),
+        cleanup_steps: s
+            .cleanup_steps
+            .iter()
+            .map(|c| proto::CleanupStep {
+                name: c.name.clone(),
+                command: c.command.clone(),
+                mode: mode_proto(c.mode) as i32,
+            })
+            .collect(),
     }
 }
 
-fn cleanup_proto(result: Option<&JobResult>, clean: bool) -> proto::CleanupStatus {
+/// The cleanup of `result`, each step as its entry records it (with the spec, while it is
+/// there, naming the steps not started yet).
+fn cleanup_proto(
+    result: Option<&JobResult>,
+    clean: bool,
+    spec: Option<&JobSpec>,
+) -> proto::CleanupStatus {
     let Some(r) = result else {
         return proto::CleanupStatus {
             state: proto::CleanupState::CleanupNotStarted as i32,
@@ -78,17 +101,69 @@ fn cleanup_proto(result: Option<&JobResult>, clean: bool) -> proto::CleanupStatu
     let c = &r.cleanup;
     let state = if clean {
         proto::CleanupState::CleanupDone
-    } else if c.needs_operator {
+    } else if c.needs_operator && c.abandoned.is_none() {
         proto::CleanupState::CleanupNeedsOperator
     } else {
         proto::CleanupState::CleanupPending
     };
+    let mut plan = spec.map(cleanup::plan).unwrap_or_default();
+    let ran_command = c.attempts > 0
+        || c.assigned.as_ref().is_some_and(|a| a.step != "folder")
+        || (c.stage == 0 && c.last_error.is_some());
+    if spec.is_none() && c.steps.is_empty() && ran_command {
+        // A version 2 entry read without its spec: it had a `command` step.
+        plan = vec![cleanup::PlannedStep {
+            name: cleanup::COMMAND_STEP.into(),
+            command: Vec::new(),
+            mode: StepMode::Ordered,
+        }];
+    }
+    let steps = if plan.is_empty() {
+        c.steps.clone()
+    } else {
+        cleanup::load(r, &plan)
+    };
+    let exhausted = state == proto::CleanupState::CleanupNeedsOperator;
     proto::CleanupStatus {
         state: state as i32,
         stage: c.stage,
         attempts: c.attempts,
         last_error: c.last_error.clone().unwrap_or_default(),
-        next_retry_unix_ms: c.next_retry_ms as i64,
+        next_retry_unix_ms: if exhausted || clean {
+            0
+        } else {
+            c.next_retry_ms as i64
+        },
+        steps: steps
+            .iter()
+            .map(|s| proto::CleanupStepStatus {
+                name: s.name.clone(),
+                mode: mode_proto(s.mode) as i32,
+                state: s.state.as_str().into(),
+                attempts: s.attempts,
+                next_retry_unix_ms: match s.state {
+                    StepState::Retrying => s.next_retry_ms as i64,
+                    _ => 0,
+                },
+                last_error: s.last_error.clone().unwrap_or_default(),
+                worker: s
+                    .assigned
+                    .as_ref()
+                    .map(|a| a.worker.clone())
+                    .unwrap_or_default(),
+            })
+            .collect(),
+        abandoned: c.abandoned.is_some(),
+        abandon_reason: c
+            .abandoned
+            .as_ref()
+            .and_then(|a| a.reason.clone())
+            .unwrap_or_default(),
+        abandoned_by: c
+            .abandoned
+            .as_ref()
+            .map(|a| a.by.clone())
+            .unwrap_or_default(),
     }
 }
 
@@ -189,7 +264,8 @@ pub fn job_view(s: &Snapshot) -> proto::Job {
     if let Some(r) = s.result() {
         from_result(&mut job, r);
     }
-    job.cleanup = Some(cleanup_proto(s.result(), s.is_clean()));
+    let spec = s.spec.as_ref().map(|(r, _)| &r.spec);
+    job.cleanup = Some(cleanup_proto(s.result(), s.is_clean(), spec));
     job.history = s
         .attempts
         .iter()
@@ -218,6 +294,27 @@ fn resolve_spec(p: Option<proto::JobSpec>) -> Result<JobSpec, jobs::Error> {
             reason: "must not be negative".into(),
         })?),
     };
+    let steps = p
+        .cleanup_steps
+        .into_iter()
+        .map(|c| {
+            let mode = match proto::CleanupStepMode::try_from(c.mode) {
+                Ok(proto::CleanupStepMode::CleanupStepConcurrent) => StepMode::Concurrent,
+                Ok(_) => StepMode::Ordered,
+                Err(_) => {
+                    return Err(spec::Invalid {
+                        field: "spec.cleanup_steps",
+                        reason: format!("step {:?}: unknown mode {}", c.name, c.mode),
+                    })
+                }
+            };
+            Ok(CleanupStep {
+                name: c.name,
+                command: c.command,
+                mode,
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(JobSpec::resolve(
         p.command,
         p.env.into_iter().collect::<BTreeMap<_, _>>(),
@@ -225,7 +322,8 @@ fn resolve_spec(p: Option<proto::JobSpec>) -> Result<JobSpec, jobs::Error> {
         p.max_attempts,
         timeout,
     )?
-    .with_selector(p.worker_selector.into_iter().collect())?)
+    .with_selector(p.worker_selector.into_iter().collect())?
+    .with_cleanup_steps(steps)?)
 }
 
 fn generated_id() -> String {
@@ -349,7 +447,7 @@ impl JobService for JobApi {
                         continue;
                     };
                     from_registry(&mut job, &e);
-                    job.cleanup = Some(cleanup_proto(None, false));
+                    job.cleanup = Some(cleanup_proto(None, false, None));
                 } else {
                     let Ok(r) = codec::decode_any::<JobResult>(
                         kv.key(),
@@ -359,7 +457,8 @@ impl JobService for JobApi {
                         continue;
                     };
                     from_result(&mut job, &r);
-                    job.cleanup = Some(cleanup_proto(Some(&r), *prefix == self.keys.clean()));
+                    let clean = *prefix == self.keys.clean();
+                    job.cleanup = Some(cleanup_proto(Some(&r), clean, None));
                 }
                 let keep = match state {
                     S::Unspecified => true,
@@ -432,6 +531,25 @@ impl JobService for JobApi {
         let id = req.into_inner().job_id;
         let snap = jobs::request_cleanup(&self.store, &self.keys, &id).await?;
         tracing::info!(target: "baton::audit", action = "retry-cleanup", job_id = %id, caller = %caller, replica = %self.replica_id, "cleanup retry requested");
+        Ok(Response::new(job_view(&snap)))
+    }
+
+    async fn abandon_cleanup(
+        &self,
+        req: Request<proto::AbandonCleanupRequest>,
+    ) -> Result<Response<proto::Job>, Status> {
+        let caller = caller_name(&req);
+        let req = req.into_inner();
+        let reason = (!req.reason.is_empty()).then_some(req.reason);
+        let snap = jobs::request_abandon(
+            &self.store,
+            &self.keys,
+            &req.job_id,
+            reason.clone(),
+            &caller,
+        )
+        .await?;
+        tracing::info!(target: "baton::audit", action = "abandon-cleanup", job_id = %req.job_id, caller = %caller, reason = reason.as_deref().unwrap_or(""), replica = %self.replica_id, "cleanup abandonment requested");
         Ok(Response::new(job_view(&snap)))
     }
 
@@ -513,7 +631,14 @@ async fn watch_loop(
     let opts = || Some(WatchOptions::new().with_start_revision(from));
     let cannot = |e: etcd_client::Error| Status::unavailable(format!("cannot watch job {id}: {e}"));
     let mut stream = client.watch(k.spec.clone(), opts()).await.map_err(cannot)?;
-    for key in [&k.registry, &k.dirty, &k.clean, &k.cancel, &k.cleanup_now] {
+    for key in [
+        &k.registry,
+        &k.dirty,
+        &k.clean,
+        &k.cancel,
+        &k.cleanup_now,
+        &k.abandon,
+    ] {
         stream.watch(key.clone(), opts()).await.map_err(cannot)?;
     }
     stream

@@ -286,6 +286,7 @@ async fn load_batch(
             recovered: false,
             spec: spec.clone(),
             term: 1,
+            step: None,
         };
         w = w.put(k.registry, codec::encode(&entry)).put(
             keys.assignment(worker, worker_rev, id),

@@ -10,8 +10,9 @@ use super::call_any;
 use crate::config::{CleanupArgs, JobIdArgs, ListArgs, LogsArgs, Output, SubmitArgs};
 use crate::proto::job_service_client::JobServiceClient;
 use crate::proto::{
-    CancelJobRequest, CleanupState, FollowJobLogsRequest, GetJobLogsRequest, GetJobRequest, Job,
-    JobSpec, JobState, ListJobsRequest, RetryCleanupRequest, SubmitJobRequest, WatchJobRequest,
+    AbandonCleanupRequest, CancelJobRequest, CleanupState, CleanupStep, CleanupStepMode,
+    FollowJobLogsRequest, GetJobLogsRequest, GetJobRequest, Job, JobSpec, JobState,
+    ListJobsRequest, RetryCleanupRequest, SubmitJobRequest, WatchJobRequest,
 };
 
 /// `baton job wait` exits with the job's exit code.
@@ -84,10 +85,37 @@ pub fn job_json(j: &Job) -> serde_json::Value {
             "state": cleanup_name(c.state),
             "stage": c.stage,
             "attempts": c.attempts,
-            "last_error": (!c.last_error.is_empty()).then_some(c.last_error),
-            "next_retry_unix_ms": c.next_retry_unix_ms,
+            "last_error": (!c.last_error.is_empty()).then_some(&c.last_error),
+            "next_retry_unix_ms": (c.next_retry_unix_ms > 0).then_some(c.next_retry_unix_ms),
+            "steps": c.steps.iter().map(|s| json!({
+                "name": s.name,
+                "mode": mode_name(s.mode),
+                "state": s.state,
+                "attempts": s.attempts,
+                "next_retry_unix_ms": (s.next_retry_unix_ms > 0).then_some(s.next_retry_unix_ms),
+                "last_error": (!s.last_error.is_empty()).then_some(&s.last_error),
+                "worker": (!s.worker.is_empty()).then_some(&s.worker),
+            })).collect::<Vec<_>>(),
+            "abandoned": c.abandoned.then(|| json!({
+                "reason": (!c.abandon_reason.is_empty()).then_some(&c.abandon_reason),
+                "by": c.abandoned_by,
+            })),
         },
     })
+}
+
+fn mode_name(m: i32) -> &'static str {
+    match CleanupStepMode::try_from(m).unwrap_or(CleanupStepMode::Unspecified) {
+        CleanupStepMode::CleanupStepConcurrent => "concurrent",
+        CleanupStepMode::CleanupStepOrdered => "ordered",
+        CleanupStepMode::Unspecified => "unknown",
+    }
+}
+
+/// `in 8s`, or nothing for a time not in the future (or none).
+fn due_in(at_ms: i64) -> Option<String> {
+    let now = crate::jobs::records::now_ms() as i64;
+    (at_ms > now).then(|| format!("in {}s", (at_ms - now + 999) / 1000))
 }
 
 fn print_job(j: &Job, output: Output) {
@@ -126,18 +154,40 @@ fn print_job(j: &Job, output: Output) {
                     if c.attempts > 0 {
                         detail.push(format!("{} attempts", c.attempts));
                     }
-                    let now = crate::jobs::records::now_ms() as i64;
-                    if c.next_retry_unix_ms > now {
-                        detail.push(format!(
-                            "next retry in {}s",
-                            (c.next_retry_unix_ms - now + 999) / 1000
-                        ));
+                    if let Some(d) = due_in(c.next_retry_unix_ms) {
+                        detail.push(format!("next retry {d}"));
                     }
                     if !c.last_error.is_empty() {
                         detail.push(format!("last error: {}", c.last_error));
                     }
+                    if c.abandoned {
+                        let why = match c.abandon_reason.as_str() {
+                            "" => String::new(),
+                            r => format!(": {r}"),
+                        };
+                        detail.push(format!("abandoned by {}{why}", c.abandoned_by));
+                    }
                     if !detail.is_empty() {
                         line.push_str(&format!(" ({})", detail.join(", ")));
+                    }
+                    for s in &c.steps {
+                        let mut step = format!(
+                            "\n    step {} ({}): {}, {} attempts",
+                            s.name,
+                            mode_name(s.mode),
+                            s.state,
+                            s.attempts
+                        );
+                        if !s.worker.is_empty() {
+                            step.push_str(&format!(", on {}", s.worker));
+                        }
+                        if let Some(d) = due_in(s.next_retry_unix_ms) {
+                            step.push_str(&format!(", next retry {d}"));
+                        }
+                        if !s.last_error.is_empty() {
+                            step.push_str(&format!(", last error: {}", s.last_error));
+                        }
+                        line.push_str(&step);
                     }
                 }
             }
@@ -176,14 +226,45 @@ pub async fn submit(args: &SubmitArgs) -> anyhow::Result<()> {
             .ok_or_else(|| anyhow!("--selector {kv:?}: expected K=V"))?;
         worker_selector.insert(k.trim().to_string(), v.trim().to_string());
     }
+    let mut cleanup_steps = Vec::new();
+    for (flag, list, mode) in [
+        (
+            "--cleanup",
+            &args.cleanup,
+            CleanupStepMode::CleanupStepOrdered,
+        ),
+        (
+            "--cleanup-concurrent",
+            &args.cleanup_concurrent,
+            CleanupStepMode::CleanupStepConcurrent,
+        ),
+    ] {
+        for s in list {
+            let (name, command) = s
+                .split_once('=')
+                .filter(|(n, _)| crate::jobs::spec::is_step_name(n))
+                .ok_or_else(|| {
+                    anyhow!(
+                        "{flag} {s:?}: expected NAME=COMMAND, NAME 1-32 characters of [a-z0-9-] \
+                         (a single unnamed command is --cleanup-command)"
+                    )
+                })?;
+            cleanup_steps.push(CleanupStep {
+                name: name.to_string(),
+                command: command.split_whitespace().map(String::from).collect(),
+                mode: mode as i32,
+            });
+        }
+    }
     let spec = JobSpec {
         command: args.command.clone(),
         env,
         cleanup_command: args
-            .cleanup
+            .cleanup_command
             .as_deref()
             .map(|c| c.split_whitespace().map(String::from).collect())
             .unwrap_or_default(),
+        cleanup_steps,
         max_attempts: args.max_attempts,
         timeout: args
             .attempt_timeout
@@ -393,7 +474,10 @@ pub async fn logs(args: &LogsArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn cleanup_now(args: &CleanupArgs) -> anyhow::Result<()> {
+pub async fn cleanup(args: &CleanupArgs) -> anyhow::Result<()> {
+    if args.abandon {
+        return abandon(args).await;
+    }
     let job = call_any(&args.client, |ch| {
         let req = RetryCleanupRequest {
             job_id: args.id.clone(),
@@ -409,6 +493,27 @@ pub async fn cleanup_now(args: &CleanupArgs) -> anyhow::Result<()> {
     match args.client.output {
         Output::Json => print_job(&job, Output::Json),
         Output::Text => println!("cleanup retry requested for {}", job.job_id),
+    }
+    Ok(())
+}
+
+async fn abandon(args: &CleanupArgs) -> anyhow::Result<()> {
+    let job = call_any(&args.client, |ch| {
+        let req = AbandonCleanupRequest {
+            job_id: args.id.clone(),
+            reason: args.reason.clone().unwrap_or_default(),
+        };
+        async move {
+            Ok(JobServiceClient::new(ch)
+                .abandon_cleanup(req)
+                .await?
+                .into_inner())
+        }
+    })
+    .await?;
+    match args.client.output {
+        Output::Json => print_job(&job, Output::Json),
+        Output::Text => println!("cleanup abandonment requested for {}", job.job_id),
     }
     Ok(())
 }

@@ -10,7 +10,6 @@ use std::future::Future;
 use std::time::Duration;
 
 use anyhow::anyhow;
-use backoff::backoff::Backoff;
 use serde_json::json;
 use tonic::{Code, Status};
 
@@ -55,12 +54,7 @@ where
     Fut: Future<Output = Result<T, Status>>,
 {
     let deadline = tokio::time::Instant::now() + args.timeout;
-    let mut pause = backoff::ExponentialBackoff {
-        initial_interval: Duration::from_millis(100),
-        max_interval: Duration::from_secs(1),
-        max_elapsed_time: None,
-        ..Default::default()
-    };
+    let mut pause = crate::retry::policies::CLIENT_ROUNDS.backoff();
     let security = client_security(&args.security)?;
     let mut last = anyhow!("no endpoints given");
     loop {
@@ -74,7 +68,7 @@ where
                 Err(e) => last = e,
             }
         }
-        let wait = pause.next_backoff().unwrap_or(Duration::from_secs(1));
+        let wait = pause.next_delay();
         if tokio::time::Instant::now() + wait >= deadline {
             return Err(last.context(format!(
                 "no replica answered within {}",

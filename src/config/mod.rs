@@ -88,7 +88,7 @@ pub enum JobCommand {
     Wait(JobIdArgs),
     /// Print the output of an attempt (default: the latest).
     Logs(LogsArgs),
-    /// Steer a job's cleanup: `baton job cleanup ID --now` retries it at once.
+    /// Steer a job's cleanup: `--now` retries it at once; `--abandon` ends it by hand.
     Cleanup(CleanupArgs),
 }
 
@@ -98,8 +98,15 @@ pub struct CleanupArgs {
     pub client: ClientArgs,
     pub id: String,
     /// Retry a pending or exhausted cleanup now.
-    #[arg(long, required = true)]
+    #[arg(long, required_unless_present = "abandon", conflicts_with = "abandon")]
     pub now: bool,
+    /// End the cleanup by hand (admin role): the remaining steps are marked abandoned and
+    /// running ones killed; then the folder goes and the result becomes clean.
+    #[arg(long)]
+    pub abandon: bool,
+    /// Why, kept in the clean result (with --abandon).
+    #[arg(long, requires = "abandon")]
+    pub reason: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -112,9 +119,18 @@ pub struct SubmitArgs {
     /// Environment for the job, `K=V`; repeatable.
     #[arg(long = "env", value_name = "K=V")]
     pub env: Vec<String>,
-    /// Cleanup command, run once the job is terminal (split on whitespace; use a script for more).
-    #[arg(long)]
-    pub cleanup: Option<String>,
+    /// Cleanup command, run once the job is terminal, as the ordered step `command` (split on
+    /// whitespace; use a script for more).
+    #[arg(long, value_name = "COMMAND")]
+    pub cleanup_command: Option<String>,
+    /// A named cleanup step, `NAME=COMMAND`; repeatable, run one after another in the given
+    /// order (after --cleanup-command). NAME: 1-32 of [a-z0-9-]. COMMAND is split on whitespace.
+    #[arg(long = "cleanup", value_name = "NAME=COMMAND")]
+    pub cleanup: Vec<String>,
+    /// A named cleanup step run together with the other concurrent ones, after the ordered
+    /// steps; `NAME=COMMAND`, repeatable.
+    #[arg(long = "cleanup-concurrent", value_name = "NAME=COMMAND")]
+    pub cleanup_concurrent: Vec<String>,
     /// Failed attempts allowed (0: the default, 3).
     #[arg(long, default_value_t = 0)]
     pub max_attempts: u32,

@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use clap::Args;
 
+use crate::retry::Policy;
+
 use super::common::{host_name, validate_lease, validate_name, ConfigError, EtcdArgs};
 use super::security::SecurityArgs;
 use super::worker::RunArgs;
@@ -55,16 +57,26 @@ pub struct ServeArgs {
     /// Longest delay between retries.
     #[arg(long, env = "BATON_RETRY_MAX_DELAY", value_parser = humantime::parse_duration, default_value = "5m")]
     pub retry_max_delay: Duration,
-    /// First delay before retrying a failed cleanup stage (exponential, with jitter).
-    #[arg(long, env = "BATON_CLEANUP_INITIAL_DELAY", value_parser = humantime::parse_duration, default_value = "1s")]
-    pub cleanup_initial_delay: Duration,
-    /// Longest delay between cleanup retries.
-    #[arg(long, env = "BATON_CLEANUP_MAX_DELAY", value_parser = humantime::parse_duration, default_value = "1h")]
-    pub cleanup_max_delay: Duration,
-    /// Cleanup attempts before a result is marked as needing an operator; 0: unlimited.
-    #[arg(long, env = "BATON_CLEANUP_MAX_ATTEMPTS", default_value_t = 0)]
-    pub cleanup_max_attempts: u32,
-    /// Cleanups running at once.
+    /// How a failed cleanup step is retried (Flink's cleanup strategies): `exponential-delay`
+    /// (--cleanup-initial-delay doubling to --cleanup-max-delay, with 10% jitter),
+    /// `fixed-delay` (--cleanup-fixed-delay every time) or `none` (a failed step needs an
+    /// operator at once).
+    #[arg(long, env = "BATON_CLEANUP_STRATEGY", value_enum, default_value_t = CleanupStrategy::ExponentialDelay)]
+    pub cleanup_strategy: CleanupStrategy,
+    /// exponential-delay: the first pause after a failed step [default: 1s].
+    #[arg(long, env = "BATON_CLEANUP_INITIAL_DELAY", value_parser = humantime::parse_duration)]
+    pub cleanup_initial_delay: Option<Duration>,
+    /// exponential-delay: the longest pause [default: 1h].
+    #[arg(long, env = "BATON_CLEANUP_MAX_DELAY", value_parser = humantime::parse_duration)]
+    pub cleanup_max_delay: Option<Duration>,
+    /// fixed-delay: the pause after every failed step [default: 1s].
+    #[arg(long, env = "BATON_CLEANUP_FIXED_DELAY", value_parser = humantime::parse_duration)]
+    pub cleanup_fixed_delay: Option<Duration>,
+    /// exponential-delay and fixed-delay: attempts of a step before the result needs an
+    /// operator; 0: unlimited [default: 0].
+    #[arg(long, env = "BATON_CLEANUP_MAX_ATTEMPTS")]
+    pub cleanup_max_attempts: Option<u32>,
+    /// Cleanup step commands running at once, over every dirty result.
     #[arg(long, env = "BATON_CLEANUP_CONCURRENCY", default_value_t = 8)]
     pub cleanup_concurrency: usize,
     /// Bound on one run of a job's cleanup command.
@@ -84,6 +96,21 @@ pub struct ServeArgs {
     /// Test and drill hook: stop each cleanup after recording this stage.
     #[arg(long, env = "BATON_CLEANUP_PAUSE_AFTER_STAGE", hide = true)]
     pub cleanup_pause_after_stage: Option<u32>,
+    /// Test hook: the term that records this cleanup step done gives out no step after it.
+    #[arg(long, env = "BATON_TEST_CLEANUP_PAUSE_AFTER_STEP", hide = true)]
+    pub test_cleanup_pause_after_step: Option<String>,
+    /// Test hook: while this file exists, the leader holds each assignment between its read
+    /// of the job and its write (and says so in `<file>.<job>.reached`).
+    #[arg(long, env = "BATON_TEST_PAUSE_BEFORE_ASSIGN", hide = true)]
+    pub test_pause_before_assign: Option<PathBuf>,
+}
+
+/// `--cleanup-strategy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CleanupStrategy {
+    ExponentialDelay,
+    FixedDelay,
+    None,
 }
 
 impl ServeArgs {
@@ -100,6 +127,71 @@ impl ServeArgs {
     pub fn margin(&self) -> Duration {
         self.step_down_margin
             .unwrap_or_else(|| (self.lease_ttl / 4).max(Duration::from_millis(500)))
+    }
+
+    /// The retry policy of cleanup steps. A strategy given with another strategy's flags is
+    /// refused: the operator meant something this would not do.
+    pub fn cleanup_policy(&self) -> Result<Policy, ConfigError> {
+        let foreign = |flags: &[(&str, bool)], strategy: &str| -> Result<(), ConfigError> {
+            match flags.iter().find(|(_, given)| *given) {
+                Some((flag, _)) => Err(ConfigError(format!(
+                    "{flag} does not apply to --cleanup-strategy {strategy}"
+                ))),
+                None => Ok(()),
+            }
+        };
+        let attempts = match self.cleanup_max_attempts {
+            None | Some(0) => None,
+            Some(n) => Some(n),
+        };
+        let exponential = [
+            (
+                "--cleanup-initial-delay",
+                self.cleanup_initial_delay.is_some(),
+            ),
+            ("--cleanup-max-delay", self.cleanup_max_delay.is_some()),
+        ];
+        let fixed = [("--cleanup-fixed-delay", self.cleanup_fixed_delay.is_some())];
+        match self.cleanup_strategy {
+            CleanupStrategy::ExponentialDelay => {
+                foreign(&fixed, "exponential-delay")?;
+                let initial = self.cleanup_initial_delay.unwrap_or(Duration::from_secs(1));
+                let max = self.cleanup_max_delay.unwrap_or(Duration::from_secs(3600));
+                if initial.is_zero() || initial > max {
+                    return Err(ConfigError(
+                        "--cleanup-initial-delay must be above 0 and at most --cleanup-max-delay"
+                            .into(),
+                    ));
+                }
+                Ok(Policy::Exponential {
+                    initial,
+                    max,
+                    multiplier: 2.0,
+                    jitter: 0.1,
+                    attempts,
+                })
+            }
+            CleanupStrategy::FixedDelay => {
+                foreign(&exponential, "fixed-delay")?;
+                let delay = self.cleanup_fixed_delay.unwrap_or(Duration::from_secs(1));
+                if delay.is_zero() {
+                    return Err(ConfigError("--cleanup-fixed-delay must be above 0".into()));
+                }
+                Ok(Policy::Fixed { delay, attempts })
+            }
+            CleanupStrategy::None => {
+                foreign(&exponential, "none")?;
+                foreign(&fixed, "none")?;
+                foreign(
+                    &[(
+                        "--cleanup-max-attempts",
+                        self.cleanup_max_attempts.is_some(),
+                    )],
+                    "none",
+                )?;
+                Ok(Policy::None)
+            }
+        }
     }
 
     /// Rejects impossible settings with a sentence a human can act on.
@@ -128,13 +220,7 @@ impl ServeArgs {
                 "--cleanup-concurrency must be at least 1".into(),
             ));
         }
-        if self.cleanup_initial_delay.is_zero()
-            || self.cleanup_initial_delay > self.cleanup_max_delay
-        {
-            return Err(ConfigError(
-                "--cleanup-initial-delay must be above 0 and at most --cleanup-max-delay".into(),
-            ));
-        }
+        self.cleanup_policy()?;
         if self.etcd.etcd_endpoints.iter().all(|e| e.trim().is_empty()) {
             return Err(ConfigError("--etcd-endpoints is empty".into()));
         }

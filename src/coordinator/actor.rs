@@ -58,6 +58,7 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
         recovery: Some(Recovering::default()),
         early_starts: HashMap::new(),
     };
+    let mut resync = crate::retry::policies::RESYNC.backoff();
     'resync: loop {
         let mut take = |found| actor.take(found);
         let recovered = tokio::select! {
@@ -89,7 +90,7 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "cannot watch the registry; resyncing");
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                resync.pause().await;
                 continue;
             }
             Err(_) => {
@@ -106,8 +107,10 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
             }
         }
         if !more {
+            resync.pause().await;
             continue;
         }
+        resync.reset();
         // Slots also free up without an event (a distrusted worker's time runs out).
         let mut sweep = tokio::time::interval(Duration::from_secs(1));
         let mut sweeps: u64 = 0;
@@ -227,14 +230,6 @@ struct Actor {
 /// storm etcd; the rest queue, holding no task, so 100,000 of them cost little memory.
 const TRANSITIONS_AT_ONCE: usize = 512;
 
-/// A random delay below `max_ms`.
-fn jitter_ms(max_ms: u64) -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(records::now_ms());
-    h.finish() % max_ms.max(1)
-}
-
 impl Actor {
     /// Takes in what recovery's pages show.
     fn take(&mut self, found: Found) {
@@ -259,7 +254,7 @@ impl Actor {
             return;
         }
         let decided = match (j.entry.status, &j.entry.worker) {
-            _ if j.cancelled => None,
+            _ if j.cancelled || j.has_result => None,
             (RegistryStatus::Pending, _) if j.entry.not_before_ms > records::now_ms() => {
                 Some(Outcome::Later(j.entry.not_before_ms))
             }
@@ -565,7 +560,7 @@ impl Actor {
                 // Spread out: jobs that failed together (etcd overloaded) must not come back
                 // together.
                 self.timers
-                    .entry(records::now_ms() + 500 + jitter_ms(1000))
+                    .entry(records::now_ms() + retry_ms(crate::retry::policies::TRANSITION))
                     .or_default()
                     .insert(id);
             }
@@ -702,6 +697,11 @@ impl Actor {
 fn is_started(kv: &etcd_client::KeyValue) -> bool {
     codec::decode::<AttemptRecord>(kv.key(), kv.value(), ATTEMPT_VERSION)
         .is_ok_and(|r| r.state == AttemptState::Started)
+}
+
+/// The pause of a policy's first retry, in ms.
+fn retry_ms(p: crate::retry::Policy) -> u64 {
+    p.delay(1).unwrap_or_default().as_millis() as u64
 }
 
 async fn sleep_until_opt(at: Option<Instant>) {

@@ -20,6 +20,8 @@ pub struct CoordinatorConfig {
     /// Assignments and cleanup starts per second, at most (a burst of one second's worth).
     pub max_starts_per_second: f64,
     pub cleanup: CleanupConfig,
+    /// Test hook: see `--test-pause-before-assign`.
+    pub pause_before_assign: Option<PathBuf>,
 }
 
 /// What every task of the leader shares.
@@ -84,14 +86,15 @@ impl Ctx {
 
 #[derive(Clone, Debug)]
 pub struct CleanupConfig {
-    pub initial_delay: Duration,
-    pub max_delay: Duration,
-    /// 0: unlimited.
-    pub max_attempts: u32,
+    /// How a failed step is retried, and how often before it needs an operator.
+    pub policy: crate::retry::Policy,
+    /// Step commands running at once, over every dirty result.
     pub concurrency: usize,
     pub timeout: Duration,
     pub retention: Duration,
     /// Test and drill hook: the term that recorded this stage stops there (a new leader
     /// resumes). 0 holds every cleanup before it starts.
     pub pause_after_stage: Option<u32>,
+    /// Test hook: the term that recorded this step done gives out no later step.
+    pub pause_after_step: Option<String>,
 }

@@ -9,7 +9,6 @@
 //! results are the cleaner's to read.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
 
 use super::fleet::WorkerView;
 use super::Ctx;
@@ -32,6 +31,8 @@ pub(super) struct FoundJob {
     /// The state of the current assignment's attempt record, if it has one.
     pub attempt: Option<AttemptState>,
     pub cancelled: bool,
+    /// A result (dirty or clean) exists beside the entry: it must go, not run.
+    pub has_result: bool,
 }
 
 /// What the pages yield, in order: the workers first, then registry pages.
@@ -51,7 +52,7 @@ pub(super) async fn recover(
     term: &Term,
     take: &mut (dyn FnMut(Found) + Send),
 ) -> Option<i64> {
-    let mut pause = Duration::from_millis(100);
+    let mut pause = crate::retry::policies::RECOVERY.backoff();
     loop {
         match read_pages(ctx, take).await {
             Ok(rev) => return Some(rev),
@@ -60,8 +61,7 @@ pub(super) async fn recover(
                     return None;
                 }
                 tracing::warn!(error = %e, "recovery read failed; retrying");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(2));
+                pause.pause().await;
             }
         }
     }
@@ -100,6 +100,7 @@ async fn read_pages(ctx: &Ctx, take: &mut (dyn FnMut(Found) + Send)) -> Result<i
             break;
         };
         let attempts = attempts_of(ctx, &ids, rev).await?;
+        let results = results_of(ctx, &ids, rev).await?;
         let page = kvs
             .iter()
             .filter_map(|kv| {
@@ -111,6 +112,7 @@ async fn read_pages(ctx: &Ctx, take: &mut (dyn FnMut(Found) + Send)) -> Result<i
                     id: id.to_string(),
                     attempt: attempts.get(&(id.to_string(), kv.mod_revision())).copied(),
                     cancelled: cancelled.contains(id),
+                    has_result: results.contains(id),
                     entry,
                     registry_rev: kv.mod_revision(),
                     incarnation: kv.create_revision(),
@@ -196,6 +198,59 @@ async fn attempts_of(
             _ => return Ok(found),
         }
     }
+}
+
+/// Which of the jobs `ids` (one registry page, in key order) have a result, read at `rev`:
+/// a keys-only read of each result range the page spans, or, where other results crowd that
+/// range, a count per id.
+async fn results_of(ctx: &Ctx, ids: &[&str], rev: i64) -> Result<HashSet<String>, jobs::Error> {
+    let mut found = HashSet::new();
+    let (Some(first), Some(last)) = (ids.first(), ids.last()) else {
+        return Ok(found);
+    };
+    let wanted: HashSet<&str> = ids.iter().copied().collect();
+    for prefix in [ctx.keys.dirty(), ctx.keys.clean()] {
+        let range = jobs::Range {
+            start: format!("{prefix}{first}").into_bytes(),
+            end: format!("{prefix}{last}\0").into_bytes(),
+        };
+        let (kvs, _) = jobs::page(&ctx.store, range, PAGE * 4 + 1, rev, true).await?;
+        if kvs.len() as i64 <= PAGE * 4 {
+            found.extend(
+                kvs.iter()
+                    .filter_map(|kv| Keys::id_in(&prefix, kv.key()))
+                    .filter(|id| wanted.contains(id))
+                    .map(str::to_string),
+            );
+            continue;
+        }
+        for chunk in ids.chunks(100) {
+            let mut c = ctx.store.client();
+            let gets = chunk.iter().map(|id| {
+                etcd_client::TxnOp::get(
+                    format!("{prefix}{id}"),
+                    Some(
+                        etcd_client::GetOptions::new()
+                            .with_revision(rev)
+                            .with_count_only(),
+                    ),
+                )
+            });
+            let resp = ctx
+                .store
+                .timed(
+                    "read results",
+                    c.txn(etcd_client::Txn::new().and_then(gets.collect::<Vec<_>>())),
+                )
+                .await?;
+            for (id, op) in chunk.iter().zip(resp.op_responses()) {
+                if matches!(op, etcd_client::TxnOpResponse::Get(g) if g.count() > 0) {
+                    found.insert(id.to_string());
+                }
+            }
+        }
+    }
+    Ok(found)
 }
 
 /// The smallest range that holds the attempt records of every job in `ids`.

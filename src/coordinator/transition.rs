@@ -50,8 +50,9 @@ pub(super) enum Outcome {
 }
 
 fn retry_delay(cfg: &CoordinatorConfig, failed: u32) -> Duration {
-    let factor = 2u32.saturating_pow(failed.saturating_sub(1).min(20));
-    (cfg.retry_initial * factor).min(cfg.retry_max)
+    crate::retry::policies::job_retry(cfg.retry_initial, cfg.retry_max)
+        .delay(failed)
+        .unwrap_or(cfg.retry_max)
 }
 
 /// Why an attempt is given back without a result.
@@ -88,6 +89,9 @@ pub(super) async fn transition(
     let Some((entry, registry_rev)) = snap.registry.clone() else {
         return Outcome::Idle;
     };
+    if snap.result().is_some() {
+        return remove_stray(ctx, writer, &snap, &entry, registry_rev).await;
+    }
     let Some((record, incarnation)) = snap.spec.clone() else {
         tracing::error!(
             job_id = id,
@@ -299,6 +303,89 @@ pub(super) fn adopt(
     }
 }
 
+/// A registry entry beside a result (a stale writer's, an operator's `etcdctl put`, an older
+/// release's): the result is the last word. One fenced write removes the entry and its
+/// assignment (its worker then kills the attempt, which it reports over its own `started`);
+/// for a dirty result it also records the attempt, so the cleanup's first step waits until it
+/// has ended or its worker has been gone for TTL + margin.
+pub(in crate::coordinator) async fn remove_stray(
+    ctx: &Ctx,
+    writer: &Writer,
+    snap: &Snapshot,
+    entry: &RegistryEntry,
+    registry_rev: i64,
+) -> Outcome {
+    let id = snap.id.as_str();
+    let k = ctx.keys.job(id);
+    let mut write = Write::new()
+        .when_modified(k.registry.clone(), registry_rev)
+        .delete(k.registry);
+    let running = match (&entry.worker, entry.status) {
+        (Some(w), RegistryStatus::Running) => Some(w.clone()),
+        _ => None,
+    };
+    if let Some(w) = &running {
+        write = write.delete(ctx.keys.assignment(w, entry.worker_rev, id));
+    }
+    match (&snap.dirty, &running) {
+        (Some(dirty), Some(w)) => {
+            let mut dirty = dirty.clone();
+            dirty.cleanup.strays.push(records::StrayAttempt {
+                worker: w.clone(),
+                worker_rev: entry.worker_rev,
+                token: registry_rev,
+                worker_ttl_ms: entry.worker_ttl_ms,
+            });
+            dirty.version = records::RESULT_VERSION_STEPS;
+            write = write
+                .when_modified(k.dirty.clone(), snap.dirty_rev)
+                .put(k.dirty, codec::encode(&dirty));
+        }
+        (None, Some(_)) => {
+            // Clean: nobody waits for the attempt; its records go with the entry.
+            write = write.delete_prefix(ctx.keys.attempts_of(id));
+        }
+        _ => {}
+    }
+    match writer.commit(write).await {
+        Ok(Commit::Applied { .. }) => {
+            metrics::get().stray_registry_entries.inc();
+            tracing::warn!(
+                job_id = id,
+                status = ?entry.status,
+                worker = entry.worker.as_deref().unwrap_or(""),
+                clean = snap.dirty.is_none(),
+                "a registry entry stood beside the job's result; removed it (a recorded result never runs again)"
+            );
+            Outcome::Idle
+        }
+        Ok(Commit::Conflict(_)) => Outcome::Retry,
+        Err(FenceError::Deposed { .. }) => Outcome::Idle,
+        Err(FenceError::Store { source, .. }) => {
+            tracing::warn!(job_id = id, error = %source, "cannot remove a stray registry entry yet");
+            Outcome::Retry
+        }
+    }
+}
+
+/// Test hook (`--test-pause-before-assign PATH`): while PATH exists, an assignment waits
+/// after its read, having said so in `PATH.<job>.reached`, so a test can write into the gap.
+async fn pause_before_assign(cfg: &CoordinatorConfig, id: &str) {
+    let Some(gate) = &cfg.pause_before_assign else {
+        return;
+    };
+    if !gate.exists() {
+        return;
+    }
+    let mut reached = gate.as_os_str().to_owned();
+    reached.push(format!(".{id}.reached"));
+    let _ = std::fs::write(&reached, b"");
+    let until = Instant::now() + Duration::from_secs(120);
+    while gate.exists() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 struct JobCtx<'a> {
     ctx: &'a Ctx,
     writer: &'a Writer,
@@ -387,12 +474,17 @@ impl JobCtx<'_> {
             recovered: self.entry.recovered_next,
             spec: self.record.spec.clone(),
             term: term.revision(),
+            step: None,
         };
         let k = self.ctx.keys.job(self.id());
         let worker_key = self.ctx.keys.worker(&p.id);
+        pause_before_assign(&self.ctx.config, self.id()).await;
+        // The result store is the last word: no result, no run.
         let write = self
             .same_job()
             .when_absent(k.cancel)
+            .when_absent(k.dirty)
+            .when_absent(k.clean)
             .when_created(worker_key.clone(), p.rev)
             .when_modified(worker_key, p.mod_rev)
             .put(k.registry, codec::encode(&entry))
@@ -570,7 +662,12 @@ impl JobCtx<'_> {
         let term = self.writer.term();
         let e = &self.entry;
         let result = JobResult {
-            version: records::RESULT_VERSION,
+            // A spec with steps gets an entry an older leader reads as unknown.
+            version: if self.record.spec.cleanup_steps.is_empty() {
+                records::RESULT_VERSION
+            } else {
+                records::RESULT_VERSION_STEPS
+            },
             job_id: self.id().into(),
             status,
             exit_code,
@@ -598,6 +695,8 @@ impl JobCtx<'_> {
         let k = self.ctx.keys.job(self.id());
         let write = self
             .same_attempt()
+            .when_absent(k.dirty.clone())
+            .when_absent(k.clean)
             .delete(k.registry)
             .put(k.dirty, codec::encode(&result))
             .delete_prefix(self.ctx.keys.attempts_of(self.id()));

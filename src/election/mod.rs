@@ -141,7 +141,7 @@ pub async fn run(
     mut commands: mpsc::Receiver<Command>,
     shutdown: CancellationToken,
 ) {
-    let mut retry = retry_backoff();
+    let mut retry = crate::retry::policies::ELECTION.backoff();
     while !shutdown.is_cancelled() {
         let lease = match Lease::grant(&store, config.ttl, config.margin, &config.replica_id).await
         {
@@ -189,7 +189,7 @@ pub async fn run(
                 continue;
             }
         };
-        retry = retry_backoff();
+        retry.reset();
         lease.bind(&term);
         term.publish();
         rolelog::became_leader(
@@ -377,18 +377,8 @@ fn refuse(cmd: Command, err: Error) {
     }
 }
 
-fn retry_backoff() -> backoff::ExponentialBackoff {
-    backoff::ExponentialBackoff {
-        initial_interval: Duration::from_millis(100),
-        max_interval: Duration::from_secs(2),
-        max_elapsed_time: None,
-        ..Default::default()
-    }
-}
-
-async fn pause(retry: &mut backoff::ExponentialBackoff, shutdown: &CancellationToken) {
-    use backoff::backoff::Backoff;
-    let delay = retry.next_backoff().unwrap_or(Duration::from_secs(2));
+async fn pause(retry: &mut crate::retry::Backoff, shutdown: &CancellationToken) {
+    let delay = retry.next_delay();
     tokio::select! {
         _ = tokio::time::sleep(delay) => {}
         _ = shutdown.cancelled() => {}

@@ -5,6 +5,7 @@
 //! no spec, registry, dirty or clean entry exists for the id. A retry with an identical spec
 //! (same hash) is answered with the existing job in whatever state; a different spec is refused.
 
+pub mod cleanup;
 pub mod fleet;
 pub mod records;
 pub mod spec;
@@ -14,7 +15,9 @@ use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
 
 use crate::store::codec::{self, Corrupt};
 use crate::store::{self, GroupCommit, Keys, Store, Write};
-use records::{CancelRequest, JobResult, RegistryEntry, RegistryStatus, TerminalStatus};
+use records::{
+    AbandonRequest, CancelRequest, JobResult, RegistryEntry, RegistryStatus, TerminalStatus,
+};
 use spec::{Invalid, JobRecord, JobSpec};
 
 #[derive(Debug, thiserror::Error)]
@@ -72,6 +75,8 @@ pub struct Snapshot {
     pub dirty_rev: i64,
     /// An operator asked for an immediate cleanup retry.
     pub cleanup_now: bool,
+    /// An operator asked to end the cleanup by hand.
+    pub abandon: Option<AbandonRequest>,
     /// Workers' attempt records by token (the assignment's revision), with their mod revision.
     /// A corrupt one is left out (and counted).
     pub attempts: std::collections::BTreeMap<i64, (work::AttemptRecord, i64)>,
@@ -88,7 +93,7 @@ impl Snapshot {
         self.revision = self.revision.max(kv.mod_revision());
         if key == k.spec.as_bytes() {
             self.spec = value.and_then(|v| {
-                let r = codec::decode(key, v, spec::JOB_RECORD_VERSION).ok()?;
+                let r = codec::decode_any(key, v, spec::JOB_RECORD_VERSIONS_READ).ok()?;
                 Some((r, kv.create_revision()))
             });
         } else if key == k.registry.as_bytes() {
@@ -107,6 +112,8 @@ impl Snapshot {
             self.cancel = value.and_then(|v| codec::decode(key, v, records::CANCEL_VERSION).ok());
         } else if key == k.cleanup_now.as_bytes() {
             self.cleanup_now = !deleted;
+        } else if key == k.abandon.as_bytes() {
+            self.abandon = value.and_then(|v| codec::decode(key, v, records::ABANDON_VERSION).ok());
         } else if let Some(token) =
             Keys::id_in(&keys.attempts_of(&self.id), key).and_then(|t| t.parse::<i64>().ok())
         {
@@ -122,12 +129,13 @@ impl Snapshot {
     }
 
     /// This snapshot after a write of its reader's own that put `dirty` at `revision` (and
-    /// took any cleanup-now request with it).
+    /// took any cleanup-now or abandon request with it).
     pub fn after(&self, dirty: JobResult, revision: i64) -> Snapshot {
         Snapshot {
             dirty: Some(dirty),
             dirty_rev: revision,
             cleanup_now: false,
+            abandon: None,
             revision,
             ..self.clone()
         }
@@ -183,6 +191,7 @@ fn gets(keys: &Keys, id: &str) -> Vec<Get> {
         k.clean,
         k.cancel,
         k.cleanup_now,
+        k.abandon,
     ]
     .into_iter()
     .map(Get::Key)
@@ -213,7 +222,7 @@ fn snapshot_from(
             _ => Vec::new(),
         })
         .collect();
-    let attempt_kvs = if answers.len() > 6 {
+    let attempt_kvs = if answers.len() > 7 {
         answers.pop().unwrap_or_default()
     } else {
         Vec::new()
@@ -226,13 +235,14 @@ fn snapshot_from(
     let clean = next();
     let cancel = next();
     let cleanup_now = next().is_some();
+    let abandon = next();
     let dirty_rev = dirty.as_ref().map_or(0, |kv| kv.mod_revision());
     Ok(Snapshot {
         id: id.to_string(),
         spec: spec
             .map(|kv| {
                 Ok::<_, Corrupt>((
-                    codec::decode(kv.key(), kv.value(), spec::JOB_RECORD_VERSION)?,
+                    codec::decode_any(kv.key(), kv.value(), spec::JOB_RECORD_VERSIONS_READ)?,
                     kv.create_revision(),
                 ))
             })
@@ -256,6 +266,10 @@ fn snapshot_from(
             .transpose()?,
         dirty_rev,
         cleanup_now,
+        // A request that does not decode is counted and left alone: it must not wedge the
+        // job's reads.
+        abandon: abandon
+            .and_then(|kv| codec::decode(kv.key(), kv.value(), records::ABANDON_VERSION).ok()),
         attempts: attempt_kvs
             .iter()
             .filter_map(|kv| {
@@ -327,7 +341,7 @@ pub async fn submit(
     let k = keys.job(id);
     let hash = spec.hash();
     let record = JobRecord {
-        version: spec::JOB_RECORD_VERSION,
+        version: spec.record_version(),
         job_id: id.to_string(),
         spec,
         spec_hash: hash.clone(),
@@ -411,17 +425,64 @@ pub async fn cancel(store: &Store, keys: &Keys, id: &str, via: &str) -> Result<S
 /// its own (the dirty entry belongs to the leader).
 pub async fn request_cleanup(store: &Store, keys: &Keys, id: &str) -> Result<Snapshot, Error> {
     spec::validate_id(id)?;
-    let k = keys.job(id);
+    let key = keys.job(id).cleanup_now;
+    let value = format!(
+        "{{\"version\":1,\"requested_at_ms\":{}}}",
+        records::now_ms()
+    );
+    cleanup_request(
+        store,
+        keys,
+        id,
+        key,
+        value,
+        "there is nothing to clean up yet",
+    )
+    .await
+}
+
+/// Asks the leader to end a job's cleanup by hand (`baton job cleanup ID --abandon`), through
+/// a request key of its own. Refused unless the result is dirty.
+pub async fn request_abandon(
+    store: &Store,
+    keys: &Keys,
+    id: &str,
+    reason: Option<String>,
+    by: &str,
+) -> Result<Snapshot, Error> {
+    spec::validate_id(id)?;
+    if let Some(r) = &reason {
+        if r.len() > 1024 || r.contains('\0') {
+            return Err(Error::Invalid(spec::Invalid {
+                field: "reason",
+                reason: "at most 1024 bytes, without NUL".into(),
+            }));
+        }
+    }
+    let req = AbandonRequest {
+        version: records::ABANDON_VERSION,
+        reason,
+        requested_by: by.to_string(),
+        requested_at_ms: records::now_ms(),
+    };
+    let key = keys.job(id).abandon;
+    let not_yet = "there is no cleanup to abandon";
+    cleanup_request(store, keys, id, key, codec::encode(&req), not_yet).await
+}
+
+/// Puts an operator's request about a dirty result's cleanup, only while the result is dirty;
+/// otherwise says why (`not_yet`: for a job not terminal yet).
+async fn cleanup_request(
+    store: &Store,
+    keys: &Keys,
+    id: &str,
+    key: String,
+    value: impl Into<Vec<u8>>,
+    not_yet: &str,
+) -> Result<Snapshot, Error> {
     let txn = Txn::new()
-        .when([Compare::version(k.dirty.clone(), CompareOp::Greater, 0)])
-        .and_then([TxnOp::put(
-            k.cleanup_now.clone(),
-            format!(
-                "{{\"version\":1,\"requested_at_ms\":{}}}",
-                records::now_ms()
-            ),
-            None,
-        )]);
+        .when([Compare::version(keys.job(id).dirty, CompareOp::Greater, 0)])
+        .and_then([TxnOp::put(key, value, None)]);
     let mut c = store.client();
     let resp = store.timed("cleanup request", c.txn(txn)).await?;
     let snap = read(store, keys, id).await?;
@@ -431,7 +492,7 @@ pub async fn request_cleanup(store: &Store, keys: &Keys, id: &str) -> Result<Sna
         Err(Error::NotDirty(format!("job {id} is already clean")))
     } else if snap.exists() {
         Err(Error::NotDirty(format!(
-            "job {id} has not reached a terminal state; there is nothing to clean up yet"
+            "job {id} has not reached a terminal state; {not_yet}"
         )))
     } else {
         Err(Error::NotFound(id.to_string()))

@@ -12,8 +12,12 @@ pub const REGISTRY_VERSIONS_READ: &[u32] = &[1, 2];
 /// Version 2: the dirty entry may record a cleanup step given to a worker, which a version 1
 /// reader (an older leader) would not see and would run itself; it reads version 2 as corrupt.
 pub const RESULT_VERSION: u32 = 2;
-pub const RESULT_VERSIONS_READ: &[u32] = &[1, 2];
+/// Version 3: progress by step name, an abandonment, or attempts to outlive before the first
+/// step; a version 2 reader would skip what it cannot see, so it reads version 3 as unknown.
+pub const RESULT_VERSION_STEPS: u32 = 3;
+pub const RESULT_VERSIONS_READ: &[u32] = &[1, 2, 3];
 pub const CANCEL_VERSION: u32 = 1;
+pub const ABANDON_VERSION: u32 = 1;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
@@ -114,8 +118,101 @@ pub struct CleanupProgress {
     #[serde(default)]
     pub retries: u32,
     /// The cleanup step a worker has been given, if any (recorded before it may start).
+    /// Version 3: only the folder stage's (each step keeps its own).
     #[serde(default)]
     pub assigned: Option<CleanupAssigned>,
+    /// Version 3: each step's progress, in the order they run (the `command` step first).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<StepProgress>,
+    /// Version 3: an operator ended the cleanup by hand.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abandoned: Option<Abandonment>,
+    /// Version 3: attempts of a registry entry found beside this result, which the first step
+    /// waits out (their end record, or their worker gone for its TTL and margin).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub strays: Vec<StrayAttempt>,
+}
+
+/// Where one cleanup step stands.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepState {
+    #[default]
+    Pending,
+    /// Given to a worker (`assigned`); its report decides.
+    Running,
+    /// Failed, or did not run; tried again at `next_retry_ms`.
+    Retrying,
+    Done,
+    /// Out of attempts: waits for `baton job cleanup ID --now` or `--abandon`.
+    NeedsOperator,
+    /// Ended by an operator; while `assigned` is set its command may still be dying.
+    Abandoned,
+}
+
+impl StepState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepState::Pending => "pending",
+            StepState::Running => "running",
+            StepState::Retrying => "retrying",
+            StepState::Done => "done",
+            StepState::NeedsOperator => "needs-operator",
+            StepState::Abandoned => "abandoned",
+        }
+    }
+}
+
+/// One cleanup step's progress (the folder stage's lives in the entry's own fields).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepProgress {
+    pub name: String,
+    #[serde(default)]
+    pub mode: super::spec::StepMode,
+    pub state: StepState,
+    /// Runs of its command that ended (counted against the strategy's attempts).
+    #[serde(default)]
+    pub attempts: u32,
+    /// Tries that ran nothing (no worker, rejected, lost): they back off, uncounted.
+    #[serde(default)]
+    pub retries: u32,
+    #[serde(default)]
+    pub next_retry_ms: u64,
+    #[serde(default)]
+    pub last_error: Option<String>,
+    #[serde(default)]
+    pub assigned: Option<CleanupAssigned>,
+}
+
+/// How an operator ended a cleanup (`baton job cleanup ID --abandon`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Abandonment {
+    #[serde(default)]
+    pub reason: Option<String>,
+    pub by: String,
+    pub at_ms: u64,
+}
+
+/// `cleanup-abandon/<id>`: an operator's request to end a job's cleanup, a key of its own
+/// (the dirty entry belongs to the leader).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AbandonRequest {
+    pub version: u32,
+    #[serde(default)]
+    pub reason: Option<String>,
+    pub requested_by: String,
+    pub requested_at_ms: u64,
+}
+
+/// An attempt of a registry entry that was found beside a result and removed: its execution
+/// may still be dying on `worker`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StrayAttempt {
+    pub worker: String,
+    pub worker_rev: i64,
+    /// The assignment's revision: its record is `attempts/<job>/<token>`.
+    pub token: i64,
+    pub worker_ttl_ms: u64,
 }
 
 /// A cleanup step assigned to a worker: where, and how long its guards may outlive its key.
@@ -125,7 +222,8 @@ pub struct CleanupAssigned {
     pub worker_rev: i64,
     pub worker_ttl_ms: u64,
     pub assign_timeout_ms: u64,
-    /// `<n>` (the cleanup attempt) or `folder`: the step's record key.
+    /// `<n>` (the `command` step's attempt, version 2), `<name>.<n>` (a step's attempt,
+    /// version 3) or `folder`: the last part of the step's record key.
     pub step: String,
 }
 

@@ -17,7 +17,13 @@ pub mod limits {
     pub const TIMEOUT_MAX_SECS: u64 = 7 * 24 * 3600;
     pub const SELECTOR_ENTRIES_MAX: usize = 32;
     pub const LABEL_BYTES_MAX: usize = 128;
+    pub const CLEANUP_STEPS_MAX: usize = 16;
+    pub const STEP_NAME_MAX: usize = 32;
 }
+
+/// Step names the cleanup pipeline uses itself: `command` is `cleanup_command`'s step,
+/// `folder` and `finish` are the built-in stages after every step.
+pub const RESERVED_STEP_NAMES: &[&str] = &["command", "folder", "finish"];
 
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
@@ -38,6 +44,78 @@ pub struct JobSpec {
     /// empty, so specs (and hashes) from before selectors are unchanged.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub worker_selector: BTreeMap<String, String>,
+    /// Named cleanup steps, after `cleanup_command` (the ordered step `command`). Left out of
+    /// the stored JSON when empty, so specs (and hashes) from before steps are unchanged.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cleanup_steps: Vec<CleanupStep>,
+}
+
+/// One named step of a job's cleanup.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CleanupStep {
+    /// 1 to 32 characters of `[a-z0-9-]`, unique in the spec.
+    pub name: String,
+    pub command: Vec<String>,
+    pub mode: StepMode,
+}
+
+/// When a cleanup step runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepMode {
+    /// One after another, in the given order, before the concurrent ones.
+    #[default]
+    Ordered,
+    /// Together, once every ordered step is done.
+    Concurrent,
+}
+
+impl StepMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepMode::Ordered => "ordered",
+            StepMode::Concurrent => "concurrent",
+        }
+    }
+}
+
+/// A step name: 1 to 32 characters of `[a-z0-9-]`.
+pub fn is_step_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= limits::STEP_NAME_MAX
+        && s.bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+}
+
+/// The limits every command of a spec shares: `field` names it in the error.
+fn check_command(field: &'static str, args: &[String], required: bool) -> Result<(), Invalid> {
+    if (required || !args.is_empty()) && args.first().is_none_or(|a| a.is_empty()) {
+        return Err(invalid(field, "must name a program to run"));
+    }
+    if args.len() > limits::COMMAND_ARGS_MAX {
+        return Err(invalid(
+            field,
+            format!(
+                "has {} arguments; at most {}",
+                args.len(),
+                limits::COMMAND_ARGS_MAX
+            ),
+        ));
+    }
+    if let Some(a) = args.iter().find(|a| a.len() > limits::ARG_BYTES_MAX) {
+        return Err(invalid(
+            field,
+            format!(
+                "an argument has {} bytes; at most {}",
+                a.len(),
+                limits::ARG_BYTES_MAX
+            ),
+        ));
+    }
+    if args.iter().any(|a| a.contains('\0')) {
+        return Err(invalid(field, "arguments must not contain NUL bytes"));
+    }
+    Ok(())
 }
 
 /// A bad submission: which field, and why.
@@ -102,43 +180,8 @@ impl JobSpec {
         max_attempts: u32,
         timeout: Option<Duration>,
     ) -> Result<JobSpec, Invalid> {
-        if command.is_empty() || command[0].is_empty() {
-            return Err(invalid("spec.command", "must name a program to run"));
-        }
-        for (field, args) in [
-            ("spec.command", &command),
-            ("spec.cleanup_command", &cleanup_command),
-        ] {
-            if args.len() > limits::COMMAND_ARGS_MAX {
-                return Err(invalid(
-                    field,
-                    format!(
-                        "has {} arguments; at most {}",
-                        args.len(),
-                        limits::COMMAND_ARGS_MAX
-                    ),
-                ));
-            }
-            if let Some(a) = args.iter().find(|a| a.len() > limits::ARG_BYTES_MAX) {
-                return Err(invalid(
-                    field,
-                    format!(
-                        "an argument has {} bytes; at most {}",
-                        a.len(),
-                        limits::ARG_BYTES_MAX
-                    ),
-                ));
-            }
-            if args.iter().any(|a| a.contains('\0')) {
-                return Err(invalid(field, "arguments must not contain NUL bytes"));
-            }
-        }
-        if !cleanup_command.is_empty() && cleanup_command[0].is_empty() {
-            return Err(invalid(
-                "spec.cleanup_command",
-                "must name a program to run",
-            ));
-        }
+        check_command("spec.command", &command, true)?;
+        check_command("spec.cleanup_command", &cleanup_command, false)?;
         if env.len() > limits::ENV_ENTRIES_MAX {
             return Err(invalid(
                 "spec.env",
@@ -200,8 +243,58 @@ impl JobSpec {
             max_attempts,
             timeout,
             worker_selector: BTreeMap::new(),
+            cleanup_steps: Vec::new(),
         }
         .checked_size()
+    }
+
+    /// The same spec with these cleanup steps (see [`CleanupStep`]).
+    pub fn with_cleanup_steps(mut self, steps: Vec<CleanupStep>) -> Result<JobSpec, Invalid> {
+        const FIELD: &str = "spec.cleanup_steps";
+        if steps.len() > limits::CLEANUP_STEPS_MAX {
+            return Err(invalid(
+                FIELD,
+                format!(
+                    "has {} steps; at most {}",
+                    steps.len(),
+                    limits::CLEANUP_STEPS_MAX
+                ),
+            ));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, step) in steps.iter().enumerate() {
+            if !is_step_name(&step.name) {
+                return Err(invalid(
+                    FIELD,
+                    format!(
+                        "step {i}: name {:?} must be 1 to {} characters of [a-z0-9-]",
+                        step.name,
+                        limits::STEP_NAME_MAX
+                    ),
+                ));
+            }
+            if RESERVED_STEP_NAMES.contains(&step.name.as_str()) {
+                return Err(invalid(
+                    FIELD,
+                    format!(
+                        "step {i}: {:?} is reserved (command is cleanup_command's step; folder \
+                         and finish are built-in stages)",
+                        step.name
+                    ),
+                ));
+            }
+            if !seen.insert(step.name.as_str()) {
+                return Err(invalid(
+                    FIELD,
+                    format!("step {i}: the name {:?} is used twice", step.name),
+                ));
+            }
+            check_command(FIELD, &step.command, true).map_err(|e| {
+                invalid(FIELD, format!("step {:?}: command {}", step.name, e.reason))
+            })?;
+        }
+        self.cleanup_steps = steps;
+        self.checked_size()
     }
 
     /// The same spec, run only on workers that have every one of these labels.
@@ -288,7 +381,22 @@ pub struct JobRecord {
     pub submitted_by: Option<String>,
 }
 
+/// Version 2: the spec has cleanup steps, which an older leader would skip; it reads version
+/// 2 as unknown (the job never runs there, and is counted) instead.
 pub const JOB_RECORD_VERSION: u32 = 1;
+pub const JOB_RECORD_VERSION_STEPS: u32 = 2;
+pub const JOB_RECORD_VERSIONS_READ: &[u32] = &[1, 2];
+
+impl JobSpec {
+    /// The version of a record holding this spec: the oldest that can say all of it.
+    pub fn record_version(&self) -> u32 {
+        if self.cleanup_steps.is_empty() {
+            JOB_RECORD_VERSION
+        } else {
+            JOB_RECORD_VERSION_STEPS
+        }
+    }
+}
 
 /// Durations stored as fractional seconds, readable in `etcdctl get`.
 mod humantime_serde_secs {

@@ -19,10 +19,12 @@ use super::spec::JobSpec;
 
 pub const WORKER_VERSION: u32 = 1;
 /// Job assignments are version 1; cleanup steps are version 2, which a worker of the previous
-/// release refuses (it would take them for jobs) instead of running.
+/// release refuses (it would take them for jobs) instead of running; named cleanup steps are
+/// version 3 (their keys and records carry the step's name).
 pub const ASSIGNMENT_VERSION: u32 = 1;
 pub const CLEANUP_ASSIGNMENT_VERSION: u32 = 2;
-pub const ASSIGNMENT_VERSIONS_READ: &[u32] = &[1, 2];
+pub const CLEANUP_STEP_ASSIGNMENT_VERSION: u32 = 3;
+pub const ASSIGNMENT_VERSIONS_READ: &[u32] = &[1, 2, 3];
 pub const ATTEMPT_VERSION: u32 = 1;
 pub const DRAIN_VERSION: u32 = 1;
 
@@ -92,6 +94,9 @@ pub struct Assignment {
     pub spec: JobSpec,
     /// The leader's term that assigned it.
     pub term: i64,
+    /// Version 3: the cleanup step this runs (`BATON_CLEANUP_STEP`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

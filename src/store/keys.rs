@@ -53,6 +53,11 @@ impl Keys {
         format!("{}cleanup-now/", self.prefix)
     }
 
+    /// `cleanup-abandon/`: operators' requests to end a job's cleanup by hand.
+    pub fn cleanup_abandon(&self) -> String {
+        format!("{}cleanup-abandon/", self.prefix)
+    }
+
     /// `workers/`: one key per live worker incarnation, on the worker's own lease.
     pub fn workers(&self) -> String {
         format!("{}workers/", self.prefix)
@@ -95,12 +100,28 @@ impl Keys {
         format!("{}cleanup/{job}", self.assignments_of(worker, incarnation))
     }
 
+    /// `assignments/<worker>/<create_rev>/cleanup/<job>/<step>`: a named cleanup step of a
+    /// finished job (version 3 entries; steps of one job may run side by side on one worker).
+    pub fn cleanup_step_assignment(
+        &self,
+        worker: &str,
+        incarnation: i64,
+        job: &str,
+        step: &str,
+    ) -> String {
+        format!(
+            "{}cleanup/{job}/{step}",
+            self.assignments_of(worker, incarnation)
+        )
+    }
+
     /// `cleanups/`: what workers report about cleanup steps.
     pub fn cleanups(&self) -> String {
         format!("{}cleanups/", self.prefix)
     }
 
-    /// `cleanups/<job>/<step>`: `<step>` is the cleanup attempt, or `folder`.
+    /// `cleanups/<job>/<step>`: `<step>` is the `command` step's attempt (version 2 entries),
+    /// `<name>.<attempt>` (version 3), or `folder`.
     pub fn cleanup_record(&self, job: &str, step: &str) -> String {
         format!("{}{job}/{step}", self.cleanups())
     }
@@ -135,6 +156,7 @@ pub struct JobKeys {
     pub clean: String,
     pub cancel: String,
     pub cleanup_now: String,
+    pub abandon: String,
 }
 
 impl Keys {
@@ -146,6 +168,7 @@ impl Keys {
             clean: format!("{}{id}", self.clean()),
             cancel: format!("{}{id}", self.cancel()),
             cleanup_now: format!("{}{id}", self.cleanup_now()),
+            abandon: format!("{}{id}", self.cleanup_abandon()),
         }
     }
 }

@@ -157,6 +157,17 @@ impl Write {
         self
     }
 
+    /// This write and `other` as one: every compare of both, then every operation of both.
+    pub fn merge(mut self, other: Write) -> Self {
+        self.compares.extend(other.compares);
+        self.then.extend(other.then);
+        self.otherwise.extend(other.otherwise);
+        self.reads.extend(other.reads);
+        self.writes.extend(other.writes);
+        self.bytes += other.bytes;
+        self
+    }
+
     pub fn has_compares(&self) -> bool {
         !self.compares.is_empty()
     }

@@ -74,9 +74,15 @@ fn keyed(inc: &Incarnation, a: &Assignment, token: i64) -> Keyed {
             assignment: k.assignment(w, inc.rev, id),
             record: k.attempt(id, token),
         },
-        AssignmentKind::Cleanup => Keyed {
-            assignment: k.cleanup_assignment(w, inc.rev, id),
-            record: k.cleanup_record(id, &a.attempt.to_string()),
+        AssignmentKind::Cleanup => match &a.step {
+            Some(step) => Keyed {
+                assignment: k.cleanup_step_assignment(w, inc.rev, id, step),
+                record: k.cleanup_record(id, &format!("{step}.{}", a.attempt)),
+            },
+            None => Keyed {
+                assignment: k.cleanup_assignment(w, inc.rev, id),
+                record: k.cleanup_record(id, &a.attempt.to_string()),
+            },
         },
         AssignmentKind::Folder => Keyed {
             assignment: k.cleanup_assignment(w, inc.rev, id),
@@ -179,7 +185,7 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
             ..base.clone()
         };
         // Fenced like a start, so a removal taken back never runs beside its retry.
-        if !matches!(accept(&inc, &keys, token, &started).await, Accept::Yes) {
+        if !matches!(accept(&inc, &keys, token, &started).await, Accept::Yes(_)) {
             return;
         }
         let target = dir.clone();
@@ -223,8 +229,9 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
         return;
     }
     let _slot = Slot(counter.clone());
-    let name = match a.kind {
-        AssignmentKind::Cleanup => format!("cleanup-{}", a.attempt),
+    let name = match (a.kind, &a.step) {
+        (AssignmentKind::Cleanup, Some(step)) => format!("cleanup-{step}-{}", a.attempt),
+        (AssignmentKind::Cleanup, None) => format!("cleanup-{}", a.attempt),
         _ => format!("attempt-{}", a.attempt),
     };
     if let Err(e) = std::fs::create_dir_all(&dir) {
@@ -242,6 +249,11 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
     match a.kind {
         AssignmentKind::Cleanup => {
             env.insert("BATON_CLEANUP_ATTEMPT".into(), a.attempt.to_string());
+            let step = a
+                .step
+                .as_deref()
+                .unwrap_or(crate::jobs::cleanup::COMMAND_STEP);
+            env.insert("BATON_CLEANUP_STEP".into(), step.into());
         }
         _ => {
             env.insert("BATON_ATTEMPT".into(), a.attempt.to_string());
@@ -283,8 +295,8 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
         at_ms: now_ms(),
         ..base.clone()
     };
-    match accept(&inc, &keys, token, &started).await {
-        Accept::Yes => {}
+    let started_rev = match accept(&inc, &keys, token, &started).await {
+        Accept::Yes(rev) => rev,
         Accept::TakenAway => {
             guard.feed.abandon();
             let _ = (&mut guard.exited).await;
@@ -296,7 +308,7 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
             report(&inc, &keys, &id, token, reject(why)).await;
             return;
         }
-    }
+    };
     let now_wanted = *ctl.borrow();
     if now_wanted == Control::Cancel {
         guard.feed.abandon();
@@ -318,6 +330,17 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
     let why = supervise(&mut guard, &mut deadlines, &mut ctl).await;
     if why == Control::Revoked {
         tracing::info!(job_id = %id, token, "the leader ended the assignment; the job was stopped");
+        // Whoever waits for this execution's end (an abandoned cleanup, a result found beside
+        // a stray registry entry) learns it here: over our own `started`, nothing else.
+        let end = AttemptRecord {
+            state: AttemptState::Exited,
+            killed_by: Some("revoked".into()),
+            reason: Some("the leader ended the assignment".into()),
+            pid: guard.pid,
+            at_ms: now_ms(),
+            ..base.clone()
+        };
+        report_over(&inc, &keys, &id, token, started_rev, end).await;
         return;
     }
     let rec = record::read_exit(&dir, &name).filter(|r| r.term == token && r.attempt == a.attempt);
@@ -362,7 +385,12 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
         }
     }
     tracing::info!(job_id = %id, token, state = ?end.state, exit_code = end.exit_code, "attempt ended");
-    report(&inc, &keys, &id, token, end).await;
+    if !report(&inc, &keys, &id, token, end.clone()).await {
+        // The leader ended the assignment meanwhile (an abandoned cleanup, a result found
+        // beside the job's entry): whoever waits for this execution learns its end over our
+        // own `started`.
+        report_over(&inc, &keys, &id, token, started_rev, end).await;
+    }
 }
 
 /// Feeds deadlines and follows the loop's wishes until the guard is gone; returns the last wish.
@@ -402,7 +430,8 @@ async fn supervise(
 }
 
 enum Accept {
-    Yes,
+    /// `started` is recorded, at this revision.
+    Yes(i64),
     /// The assignment is gone or this is no longer the incarnation: nothing to report.
     TakenAway,
     /// etcd did not answer in time: whether `started` committed is unknown.
@@ -425,18 +454,23 @@ async fn accept(inc: &Incarnation, keys: &Keyed, token: i64, started: &AttemptRe
             .put(attempt.clone(), codec::encode(started))
             .or_get(attempt.clone());
         match inc.reports.commit(write).await {
-            Ok(Outcome::Applied { .. }) => return Accept::Yes,
+            Ok(Outcome::Applied { revision, .. }) => return Accept::Yes(revision),
             Ok(Outcome::Conflict { response, .. }) => {
-                let mine = response.op_responses().into_iter().any(|op| match op {
-                    TxnOpResponse::Get(g) => g.kvs().first().is_some_and(|kv| {
+                let mine = response.op_responses().into_iter().find_map(|op| match op {
+                    TxnOpResponse::Get(g) => g.kvs().first().and_then(|kv| {
                         codec::decode::<AttemptRecord>(kv.key(), kv.value(), ATTEMPT_VERSION)
-                            .is_ok_and(|rec| {
+                            .ok()
+                            .filter(|rec| {
                                 rec.state == AttemptState::Started && rec.pid == started.pid
                             })
+                            .map(|_| kv.mod_revision())
                     }),
-                    _ => false,
+                    _ => None,
                 });
-                return if mine { Accept::Yes } else { Accept::TakenAway };
+                return match mine {
+                    Some(rev) => Accept::Yes(rev),
+                    None => Accept::TakenAway,
+                };
             }
             Ok(Outcome::Fenced) => return Accept::TakenAway,
             Err(e) => last = e.to_string(),
@@ -448,29 +482,53 @@ async fn accept(inc: &Incarnation, keys: &Keyed, token: i64, started: &AttemptRe
 
 /// Writes how the attempt ended, comparing only the assignment: retried until it lands or the
 /// leader has ended the assignment (then there is nobody left to tell).
-async fn report(inc: &Incarnation, keys: &Keyed, id: &str, token: i64, rec: AttemptRecord) {
-    let assignment = keys.assignment.clone();
+/// Whether it landed.
+async fn report(inc: &Incarnation, keys: &Keyed, id: &str, token: i64, rec: AttemptRecord) -> bool {
+    let fence = Write::new().when_modified(keys.assignment.clone(), token);
+    put_report(inc, keys, id, token, fence, rec).await
+}
+
+/// Writes how an execution whose assignment the leader deleted ended, over its own `started`
+/// record (mod revision `started_rev`) and nothing else.
+async fn report_over(
+    inc: &Incarnation,
+    keys: &Keyed,
+    id: &str,
+    token: i64,
+    started_rev: i64,
+    rec: AttemptRecord,
+) {
+    let fence = Write::new().when_modified(keys.record.clone(), started_rev);
+    put_report(inc, keys, id, token, fence, rec).await;
+}
+
+/// Puts `rec` under `fence`, retried until it lands (`true`) or the fence has failed.
+async fn put_report(
+    inc: &Incarnation,
+    keys: &Keyed,
+    id: &str,
+    token: i64,
+    fence: Write,
+    rec: AttemptRecord,
+) -> bool {
     let attempt = keys.record.clone();
-    let mut pause = Duration::from_millis(100);
+    let mut pause = crate::retry::policies::WORKER_REPORT.backoff();
     loop {
-        let write = Write::new()
-            .when_modified(assignment.clone(), token)
-            .put(attempt.clone(), codec::encode(&rec));
+        let write = fence.clone().put(attempt.clone(), codec::encode(&rec));
         match inc.reports.commit(write).await {
-            Ok(Outcome::Applied { .. }) => return,
+            Ok(Outcome::Applied { .. }) => return true,
             Ok(_) => {
                 tracing::info!(
                     job_id = id,
                     token,
                     "the assignment was already ended; nothing reported"
                 );
-                return;
+                return false;
             }
             Err(e) => {
                 tracing::warn!(job_id = id, token, error = %e, "cannot report the attempt yet; retrying");
             }
         }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_secs(2));
+        pause.pause().await;
     }
 }

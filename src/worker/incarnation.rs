@@ -174,6 +174,7 @@ pub(super) async fn serve(
     let mut marked: Option<bool> = None;
     let mut marking: Option<tokio::task::JoinHandle<(bool, bool)>> = None;
     let tracker = lp.tasks.clone();
+    let mut resync = crate::retry::policies::WORKER_RESYNC.backoff();
     let end = 'resync: loop {
         watchdog.pet();
         if lease.lost().is_cancelled() {
@@ -206,7 +207,7 @@ pub(super) async fn serve(
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read this worker's assignments; retrying");
-                tokio::time::sleep(Duration::from_millis(300)).await;
+                resync.pause().await;
                 continue;
             }
         };
@@ -257,7 +258,7 @@ pub(super) async fn serve(
         };
         let Ok(Ok(mut stream)) = watched else {
             tracing::warn!("cannot watch this worker's assignments; resyncing");
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            resync.pause().await;
             continue;
         };
         if stream
@@ -267,8 +268,10 @@ pub(super) async fn serve(
             || stream.watch(me.clone(), Some(opts())).await.is_err()
             || stream.watch(drain_key.clone(), Some(opts())).await.is_err()
         {
+            resync.pause().await;
             continue;
         }
+        resync.reset();
         loop {
             // The record follows the drain state, written off the loop so a slow etcd never
             // starves the watchdog.

@@ -56,7 +56,7 @@ pub struct WorkerConfig {
 
 /// Runs the worker until `stop`; then preempts its jobs and revokes its lease.
 pub async fn run(store: Store, keys: Keys, config: WorkerConfig, stop: CancellationToken) {
-    let mut pause = Duration::from_millis(200);
+    let mut pause = crate::retry::policies::WORKER_RECONNECT.backoff();
     while !stop.is_cancelled() {
         let margin = config.guard.margin;
         let lease = tokio::select! {
@@ -70,12 +70,11 @@ pub async fn run(store: Store, keys: Keys, config: WorkerConfig, stop: Cancellat
             }
             Err(e) => {
                 tracing::warn!(worker = %config.worker_id, error = %e, "cannot grant the worker lease; retrying");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(2));
+                pause.pause().await;
                 continue;
             }
         };
-        pause = Duration::from_millis(200);
+        pause.reset();
         let rev = match registration::register(&store, &keys, &config, &lease, &stop).await {
             Some(rev) => rev,
             None => {

@@ -129,7 +129,7 @@ pub(super) async fn set_draining(
 /// it), so the next registration does not wait a TTL.
 pub(super) async fn revoke_until_gone(store: &Store, lease: &Lease, stop: &CancellationToken) {
     lease.stop();
-    let mut pause = Duration::from_millis(100);
+    let mut pause = crate::retry::policies::WORKER_REPORT.backoff();
     loop {
         let mut c = store.client();
         match store
@@ -143,10 +143,9 @@ pub(super) async fn revoke_until_gone(store: &Store, lease: &Lease, stop: &Cance
             }
         }
         tokio::select! {
-            _ = tokio::time::sleep(pause) => {}
+            _ = pause.pause() => {}
             _ = stop.cancelled() => return,
         }
-        pause = (pause * 2).min(Duration::from_secs(2));
     }
 }
 

@@ -528,6 +528,34 @@ impl Cluster {
     }
 }
 
+pub fn cleanup_state(j: &Job) -> baton::proto::CleanupState {
+    j.cleanup
+        .as_ref()
+        .and_then(|c| baton::proto::CleanupState::try_from(c.state).ok())
+        .unwrap_or(baton::proto::CleanupState::Unspecified)
+}
+
+/// The job's cleanup is done: its result is clean.
+pub fn clean(j: &Job) -> bool {
+    cleanup_state(j) == baton::proto::CleanupState::CleanupDone
+}
+
+/// The lines of a file a test's jobs append to (none while it is missing).
+pub fn lines(p: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(p)
+        .unwrap_or_default()
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+/// A folder of the test's own, outside any job's.
+pub fn ledger_dir() -> (tempfile::TempDir, PathBuf) {
+    let t = tempfile::tempdir().unwrap();
+    let p = t.path().to_path_buf();
+    (t, p)
+}
+
 pub fn state(j: &Job) -> JobState {
     JobState::try_from(j.state).unwrap_or(JobState::Unspecified)
 }
