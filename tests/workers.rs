@@ -9,6 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use baton::devcluster::etcd::http_get;
+use baton::devcluster::{FaultProxy, Mode};
 use baton::exec::record::KilledBy;
 use support::*;
 
@@ -220,6 +221,57 @@ async fn a_worker_key_revoked_early_stops_its_job_before_it_runs_elsewhere() {
         "overlap: {first:?} {second:?}"
     );
     c.wait_workers(&["w1", "w2"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_key_deleted_while_its_watch_is_cut_off_cannot_let_two_executions_overlap() {
+    // w1 reaches etcd through a proxy, but its lease keepalives go straight to etcd: cut off,
+    // it keeps proving its lease and never learns that its key was deleted.
+    let mut c = Cluster::start(worker_opts(0, &[]));
+    c.leader_index().await;
+    let direct = c.etcd.endpoints();
+    let proxy = FaultProxy::start(direct[0].parse().unwrap()).unwrap();
+    let keepalives = direct.join(",");
+    c.add_worker_via(
+        vec![proxy.addr().to_string()],
+        &["--test-keepalive-endpoints", &keepalives],
+    );
+    c.wait_workers(&["w1"]).await;
+    let out = scratch(&c);
+    let mut spec =
+        sh("echo run >> \"$OUT/deleted\"; [ \"$BATON_ATTEMPT\" = 1 ] && sleep 600; exit 0");
+    spec.env.insert("OUT".into(), out.display().to_string());
+    c.submit(0, "deleted", spec).await;
+    wait_until("the job to start", LONG, || runs(&out, "deleted") == 1).await;
+    c.add_worker(&[]);
+    c.wait_workers(&["w1", "w2"]).await;
+    proxy.set_mode(Mode::Blackhole);
+    let mut client = etcd_client::Client::connect(c.etcd.endpoints(), None)
+        .await
+        .unwrap();
+    client.delete("/baton/test/workers/w1", None).await.unwrap();
+    let j = c
+        .wait_job(&c.all_indices(), "deleted", LONG, "terminal", terminal)
+        .await;
+    assert_eq!(state(&j), JobState::Finished);
+    assert_eq!(j.recoveries, 1, "restarted once, as a recovery");
+    let first = c
+        .exit_record("deleted", 1)
+        .expect("the first execution was stopped");
+    let second = c.exit_record("deleted", 2).unwrap();
+    assert!(
+        first.ended_boottime_ns < second.started_boottime_ns,
+        "overlap: {first:?} {second:?}"
+    );
+    let logs: String = c
+        .replicas
+        .iter()
+        .map(|r| std::fs::read_to_string(r.log_path()).unwrap_or_default())
+        .collect();
+    assert!(
+        logs.contains("revoked the worker's lease"),
+        "the leader revoked it"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

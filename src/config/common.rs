@@ -43,6 +43,14 @@ pub struct EtcdArgs {
     /// File holding the etcd user's password (trailing newline ignored).
     #[arg(long, env = "BATON_ETCD_PASSWORD_FILE", requires = "etcd_user")]
     pub etcd_password_file: Option<PathBuf>,
+    /// Test hook: lease keepalives go to these endpoints instead.
+    #[arg(
+        long,
+        env = "BATON_TEST_KEEPALIVE_ENDPOINTS",
+        value_delimiter = ',',
+        hide = true
+    )]
+    pub test_keepalive_endpoints: Option<Vec<String>>,
 }
 
 impl EtcdArgs {
@@ -52,6 +60,7 @@ impl EtcdArgs {
             std::fs::read(p).map_err(|e| ConfigError(format!("{flag} {}: {e}", p.display())))
         };
         let mut c = EtcdConfig::new(self.etcd_endpoints.clone());
+        c.keepalive_endpoints = self.test_keepalive_endpoints.clone();
         c.request_timeout = self.etcd_timeout;
         c.connect_timeout = self.etcd_timeout.min(Duration::from_secs(2));
         if let Some(ca) = &self.etcd_ca {

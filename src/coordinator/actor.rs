@@ -396,6 +396,7 @@ impl Actor {
                 let view = WorkerView {
                     rev: kv.create_revision(),
                     mod_rev: kv.mod_revision(),
+                    lease: kv.lease(),
                     record,
                 };
                 self.fleet.lock().expect("fleet lock").put(view)
@@ -403,9 +404,10 @@ impl Actor {
             EventType::Delete => self.fleet.lock().expect("fleet lock").delete(&wid),
         };
         if let Some(went) = went {
-            // Its jobs may run until its TTL and margin have passed: look at them then.
+            // Look at its jobs now: a started one's wait starts once the worker's lease is
+            // revoked (its transition does that), and runs for its TTL and margin.
             tracing::info!(worker = %wid, incarnation = went.rev, "worker gone");
-            let at = records::now_ms().saturating_add(went.ttl.as_millis() as u64 + 1);
+            let at = records::now_ms();
             let jobs: Vec<(String, i64)> = self
                 .assigned
                 .iter()

@@ -3,11 +3,14 @@
 //! start, then watched) and shared between the actor and the transitions.
 //!
 //! Guarantee: an incarnation is [`Liveness::Gone`] with a time no earlier than its key's
-//! deletion as this term saw it (the term's start for one gone before the term). A job of a gone
-//! incarnation is restarted only after that time plus the worker's TTL and margin, which covers
-//! keys deleted before the lease expired (a revoke, `etcdctl del`, etcd issue 15247).
+//! deletion as this term saw it (the term's start for one gone before the term), and no earlier
+//! than this term's revocation of its lease, once it has revoked it. A started job of a gone
+//! incarnation is restarted only after its lease was revoked (when its id is known) and a further
+//! TTL and margin have passed: a key deleted while its lease lived (`etcdctl del`, etcd issue
+//! 15247) cannot let its worker go on proving the lease and feeding the job's guard, even if the
+//! worker never learns of the deletion (a lagging watch).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::jobs::work::WorkerRecord;
@@ -17,6 +20,8 @@ pub(super) struct WorkerView {
     /// The key's create revision: the incarnation.
     pub(super) rev: i64,
     pub(super) mod_rev: i64,
+    /// The lease its key is on.
+    pub(super) lease: i64,
     pub(super) record: WorkerRecord,
 }
 
@@ -25,6 +30,21 @@ pub(super) enum Liveness {
     Alive,
     /// Gone no later than this (as this term saw it).
     Gone(Instant),
+    /// Gone, and its lease must be revoked before any wait for its jobs starts.
+    Unrevoked,
+}
+
+/// Revokes a gone worker incarnation's lease: from then on no keepalive of it is answered, so
+/// its guards are fed no deadline past the revocation plus its TTL. Already gone counts too.
+pub(super) async fn revoke_lease(
+    store: &crate::store::Store,
+    lease: i64,
+) -> Result<(), crate::store::Error> {
+    let mut c = store.client();
+    match store.timed("lease revoke", c.lease_revoke(lease)).await {
+        Err(e) if !e.is_lease_not_found() => Err(e),
+        _ => Ok(()),
+    }
 }
 
 /// A worker incarnation chosen for an assignment.
@@ -33,6 +53,7 @@ pub(super) struct Pick {
     pub(super) id: String,
     pub(super) rev: i64,
     pub(super) mod_rev: i64,
+    pub(super) lease: i64,
     /// Its lease TTL plus margin.
     pub(super) ttl_ms: u64,
     pub(super) labels: BTreeMap<String, String>,
@@ -41,20 +62,15 @@ pub(super) struct Pick {
 /// How long an assignment's time is kept (far beyond any assign timeout).
 const ASSIGNED_KEPT: Duration = Duration::from_secs(600);
 
-/// A worker incarnation that went, and how long its jobs may still run after that (its TTL
-/// and margin): they are restarted no earlier.
+/// A worker incarnation that went.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Went {
     pub(super) rev: i64,
-    pub(super) ttl: Duration,
 }
 
 impl Went {
     fn of(w: &WorkerView) -> Went {
-        Went {
-            rev: w.rev,
-            ttl: Duration::from_millis(w.record.lease_ttl_ms.saturating_add(w.record.margin_ms)),
-        }
+        Went { rev: w.rev }
     }
 }
 
@@ -65,6 +81,8 @@ pub(super) struct Fleet {
     pub(super) term_start: Instant,
     pub(super) workers: BTreeMap<String, WorkerView>,
     gone: HashMap<(String, i64), Instant>,
+    /// Gone incarnations whose lease this term has revoked.
+    revoked: HashSet<(String, i64)>,
     /// Whether the workers have been read (a term's first recovery) and followed since.
     loaded: bool,
     /// Assignments this term made or first saw, by token, and when; with the same in time
@@ -83,6 +101,7 @@ impl Fleet {
             workers: BTreeMap::new(),
             loaded: false,
             gone: HashMap::new(),
+            revoked: HashSet::new(),
             assigned_at: HashMap::new(),
             assigned_order: VecDeque::new(),
             suspect: HashMap::new(),
@@ -146,6 +165,18 @@ impl Fleet {
                 .copied()
                 .unwrap_or(self.term_start),
         )
+    }
+
+    /// This term revoked the lease of gone incarnation `(id, rev)`: it counts as gone from now.
+    pub(super) fn revoked(&mut self, id: &str, rev: i64) {
+        let key = (id.to_string(), rev);
+        self.gone.insert(key.clone(), Instant::now());
+        self.revoked.insert(key);
+    }
+
+    /// Whether this term has revoked the lease of incarnation `(id, rev)`.
+    pub(super) fn is_revoked(&self, id: &str, rev: i64) -> bool {
+        self.revoked.contains(&(id.to_string(), rev))
     }
 
     pub(super) fn assigned(&mut self, token: i64) {
@@ -247,6 +278,7 @@ impl Fleet {
             id: w.record.worker_id.clone(),
             rev: w.rev,
             mod_rev: w.mod_rev,
+            lease: w.lease,
             ttl_ms: w.record.lease_ttl_ms.saturating_add(w.record.margin_ms),
             labels: w.record.labels.clone(),
         })

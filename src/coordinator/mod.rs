@@ -17,6 +17,7 @@ mod actor;
 pub mod cleanup;
 mod ctx;
 mod fleet;
+pub mod protocol;
 mod recovery;
 mod starts;
 mod transition;

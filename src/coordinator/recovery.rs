@@ -76,6 +76,7 @@ async fn read_pages(ctx: &Ctx, take: &mut (dyn FnMut(Found) + Send)) -> Result<i
             workers.push(WorkerView {
                 rev: kv.create_revision(),
                 mod_rev: kv.mod_revision(),
+                lease: kv.lease(),
                 record,
             });
         }

@@ -367,7 +367,10 @@ impl Keeper {
     async fn keep(self) {
         let period = self.ttl / 3;
         let per_call = self.ttl / 4;
-        let config = self.store.config().clone();
+        let mut config = self.store.config().clone();
+        if let Some(eps) = config.keepalive_endpoints.clone() {
+            config.endpoints = eps;
+        }
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Skip);
         // Polled, not slept until the deadline: tokio's clock stops while the host is suspended,

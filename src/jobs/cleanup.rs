@@ -288,6 +288,7 @@ mod tests {
         let a = CleanupAssigned {
             worker: "w1".into(),
             worker_rev: 7,
+            worker_lease: 0,
             worker_ttl_ms: 3000,
             assign_timeout_ms: 10000,
             step: "3".into(),

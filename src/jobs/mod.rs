@@ -209,6 +209,63 @@ fn get_ops(keys: &Keys, id: &str) -> Vec<TxnOp> {
         .collect()
 }
 
+/// Job `id` as an in-memory etcd holds it (the protocol model's reads), decoded as a read of
+/// etcd would be.
+pub fn snapshot_in(keys: &Keys, mem: &store::mem::MemEtcd, id: &str) -> Result<Snapshot, Corrupt> {
+    let k = keys.job(id);
+    let get = |key: &str| mem.get(key.as_bytes());
+    fn decode_one<T: serde::de::DeserializeOwned>(
+        mem: &store::mem::MemEtcd,
+        key: &str,
+        versions: &[u32],
+    ) -> Result<Option<T>, Corrupt> {
+        mem.get(key.as_bytes())
+            .map(|kv| codec::decode_any(key.as_bytes(), &kv.value, versions))
+            .transpose()
+    }
+    let spec = match get(&k.spec) {
+        Some(kv) => Some((
+            codec::decode_any(k.spec.as_bytes(), &kv.value, spec::JOB_RECORD_VERSIONS_READ)?,
+            kv.create,
+        )),
+        None => None,
+    };
+    let registry = match get(&k.registry) {
+        Some(kv) => Some((
+            codec::decode_any(
+                k.registry.as_bytes(),
+                &kv.value,
+                records::REGISTRY_VERSIONS_READ,
+            )?,
+            kv.modified,
+        )),
+        None => None,
+    };
+    let prefix = keys.attempts_of(id);
+    let attempts = mem
+        .prefix(prefix.as_bytes())
+        .filter_map(|(key, kv)| {
+            let token = Keys::id_in(&prefix, key)?.parse::<i64>().ok()?;
+            let rec = codec::decode(key, &kv.value, work::ATTEMPT_VERSION).ok()?;
+            Some((token, (rec, kv.modified)))
+        })
+        .collect();
+    Ok(Snapshot {
+        id: id.to_string(),
+        spec,
+        registry,
+        dirty: decode_one(mem, &k.dirty, records::RESULT_VERSIONS_READ)?,
+        clean: decode_one(mem, &k.clean, records::RESULT_VERSIONS_READ)?,
+        cancel: decode_one(mem, &k.cancel, &[records::CANCEL_VERSION])?,
+        dirty_rev: get(&k.dirty).map_or(0, |kv| kv.modified),
+        cleanup_now: get(&k.cleanup_now).is_some(),
+        abandon: get(&k.abandon)
+            .and_then(|kv| codec::decode(k.abandon.as_bytes(), &kv.value, 1).ok()),
+        attempts,
+        revision: mem.revision,
+    })
+}
+
 /// Builds a snapshot from the answers to [`gets`], in order.
 fn snapshot_from(
     id: &str,

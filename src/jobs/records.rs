@@ -56,6 +56,11 @@ pub struct RegistryEntry {
     pub worker: Option<String>,
     #[serde(default)]
     pub worker_rev: i64,
+    /// That worker incarnation's lease: revoked before a wait for its jobs starts, so a key
+    /// deleted while its lease lived cannot let the worker go on proving it (0: unknown, an
+    /// older release's entry).
+    #[serde(default)]
+    pub worker_lease: i64,
     /// That worker's lease TTL and margin when it was assigned: how long its guards may run
     /// the job after its key is gone.
     #[serde(default)]
@@ -80,6 +85,7 @@ impl RegistryEntry {
             last_error: None,
             worker: None,
             worker_rev: 0,
+            worker_lease: 0,
             worker_ttl_ms: 0,
             recovered_next: false,
         }
@@ -210,6 +216,8 @@ pub struct AbandonRequest {
 pub struct StrayAttempt {
     pub worker: String,
     pub worker_rev: i64,
+    #[serde(default)]
+    pub worker_lease: i64,
     /// The assignment's revision: its record is `attempts/<job>/<token>`.
     pub token: i64,
     pub worker_ttl_ms: u64,
@@ -220,6 +228,9 @@ pub struct StrayAttempt {
 pub struct CleanupAssigned {
     pub worker: String,
     pub worker_rev: i64,
+    /// Its lease (see [`RegistryEntry::worker_lease`]).
+    #[serde(default)]
+    pub worker_lease: i64,
     pub worker_ttl_ms: u64,
     pub assign_timeout_ms: u64,
     /// `<n>` (the `command` step's attempt, version 2), `<name>.<n>` (a step's attempt,

@@ -8,11 +8,12 @@
 pub mod codec;
 pub mod group;
 mod keys;
+pub mod mem;
 mod write;
 
 pub use group::GroupCommit;
 pub use keys::{JobKeys, Keys};
-pub use write::Write;
+pub use write::{Cond, Effect, Write};
 
 use std::future::Future;
 use std::sync::Arc;
@@ -118,6 +119,9 @@ pub struct EtcdConfig {
     pub tls: Option<etcd_client::TlsOptions>,
     /// etcd user and password; etcd-client renews the auth token when etcd expires it.
     pub user: Option<(String, String)>,
+    /// Test hook: where lease keepalives go instead of `endpoints` (so a test can cut every
+    /// other connection off while keepalives still pass).
+    pub keepalive_endpoints: Option<Vec<String>>,
 }
 
 /// Never shows the password.
@@ -141,6 +145,7 @@ impl EtcdConfig {
             connect_timeout: Duration::from_secs(2),
             tls: None,
             user: None,
+            keepalive_endpoints: None,
         }
     }
 

@@ -6,6 +6,10 @@
 //! [`super::group`] put many writes into one etcd transaction: etcd evaluates every nested
 //! compare against the state *before* the transaction and refuses a transaction in which two
 //! branches put the same key, so only writes whose footprints are disjoint may share one.
+//!
+//! It also keeps an inspectable mirror of its compares ([`Cond`]) and changes ([`Effect`]), so
+//! an in-memory etcd ([`super::mem`]) can apply exactly what the code would send: the protocol
+//! model and unit tests run the code's own writes.
 
 use etcd_client::{Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
 
@@ -26,10 +30,45 @@ impl Span {
     }
 }
 
+/// A compare, as an in-memory store evaluates it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Cond {
+    Absent(Vec<u8>),
+    Present(Vec<u8>),
+    /// Exists with this create revision.
+    Created(Vec<u8>, i64),
+    /// Last changed at this revision (0: absent).
+    Modified(Vec<u8>, i64),
+    Leased(Vec<u8>, i64),
+}
+
+impl Cond {
+    pub fn key(&self) -> &[u8] {
+        match self {
+            Cond::Absent(k)
+            | Cond::Present(k)
+            | Cond::Created(k, _)
+            | Cond::Modified(k, _)
+            | Cond::Leased(k, _) => k,
+        }
+    }
+}
+
+/// A change, as an in-memory store applies it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Effect {
+    /// Put on a lease (0: none).
+    Put(Vec<u8>, Vec<u8>, i64),
+    Delete(Vec<u8>),
+    DeletePrefix(Vec<u8>),
+}
+
 /// See the module doc. Built with chained calls:
 /// `Write::new().when_absent(k).put(k, v).or_get(k)`.
 #[derive(Clone, Debug, Default)]
 pub struct Write {
+    conds: Vec<Cond>,
+    effects: Vec<Effect>,
     compares: Vec<Compare>,
     then: Vec<TxnOp>,
     otherwise: Vec<TxnOp>,
@@ -52,33 +91,58 @@ impl Write {
         self
     }
 
+    fn cond(mut self, c: Cond) -> Self {
+        self.conds.push(c);
+        self
+    }
+
     /// The key does not exist.
     pub fn when_absent(self, key: impl Into<Vec<u8>>) -> Self {
-        self.compare(key, |k| Compare::version(k, CompareOp::Equal, 0))
+        let key = key.into();
+        self.cond(Cond::Absent(key.clone()))
+            .compare(key, |k| Compare::version(k, CompareOp::Equal, 0))
     }
 
     /// The key exists.
     pub fn when_present(self, key: impl Into<Vec<u8>>) -> Self {
-        self.compare(key, |k| Compare::version(k, CompareOp::Greater, 0))
+        let key = key.into();
+        self.cond(Cond::Present(key.clone()))
+            .compare(key, |k| Compare::version(k, CompareOp::Greater, 0))
     }
 
     /// The key exists with this create revision (one incarnation of it).
     pub fn when_created(self, key: impl Into<Vec<u8>>, rev: i64) -> Self {
-        self.compare(key, |k| Compare::create_revision(k, CompareOp::Equal, rev))
+        let key = key.into();
+        self.cond(Cond::Created(key.clone(), rev))
+            .compare(key, |k| Compare::create_revision(k, CompareOp::Equal, rev))
     }
 
     /// The key was last changed at this revision (0: it does not exist).
     pub fn when_modified(self, key: impl Into<Vec<u8>>, rev: i64) -> Self {
-        self.compare(key, |k| Compare::mod_revision(k, CompareOp::Equal, rev))
+        let key = key.into();
+        self.cond(Cond::Modified(key.clone(), rev))
+            .compare(key, |k| Compare::mod_revision(k, CompareOp::Equal, rev))
     }
 
     /// The key is attached to this lease.
     pub fn when_leased(self, key: impl Into<Vec<u8>>, lease: i64) -> Self {
-        self.compare(key, |k| Compare::lease(k, CompareOp::Equal, lease))
+        let key = key.into();
+        self.cond(Cond::Leased(key.clone(), lease))
+            .compare(key, |k| Compare::lease(k, CompareOp::Equal, lease))
+    }
+
+    /// What it compares, in order.
+    pub fn conds(&self) -> &[Cond] {
+        &self.conds
+    }
+
+    /// What it changes when its compares hold, in order.
+    pub fn effects(&self) -> &[Effect] {
+        &self.effects
     }
 
     pub fn put(self, key: impl Into<Vec<u8>>, value: impl Into<Vec<u8>>) -> Self {
-        self.put_with(key, value, None)
+        self.put_with(key, value, 0)
     }
 
     pub fn put_leased(
@@ -87,16 +151,14 @@ impl Write {
         value: impl Into<Vec<u8>>,
         lease: i64,
     ) -> Self {
-        self.put_with(key, value, Some(PutOptions::new().with_lease(lease)))
+        self.put_with(key, value, lease)
     }
 
-    fn put_with(
-        mut self,
-        key: impl Into<Vec<u8>>,
-        value: impl Into<Vec<u8>>,
-        options: Option<PutOptions>,
-    ) -> Self {
+    fn put_with(mut self, key: impl Into<Vec<u8>>, value: impl Into<Vec<u8>>, lease: i64) -> Self {
         let (key, value) = (key.into(), value.into());
+        let options = (lease != 0).then(|| PutOptions::new().with_lease(lease));
+        self.effects
+            .push(Effect::Put(key.clone(), value.clone(), lease));
         self.bytes += key.len() + value.len() + 8;
         self.writes.push(Span::Key(key.clone()));
         self.then.push(TxnOp::put(key, value, options));
@@ -105,6 +167,7 @@ impl Write {
 
     pub fn delete(mut self, key: impl Into<Vec<u8>>) -> Self {
         let key = key.into();
+        self.effects.push(Effect::Delete(key.clone()));
         self.bytes += key.len() + 8;
         self.writes.push(Span::Key(key.clone()));
         self.then.push(TxnOp::delete(key, None));
@@ -113,6 +176,7 @@ impl Write {
 
     pub fn delete_prefix(mut self, prefix: impl Into<Vec<u8>>) -> Self {
         let prefix = prefix.into();
+        self.effects.push(Effect::DeletePrefix(prefix.clone()));
         self.bytes += 2 * prefix.len() + 8;
         self.writes.push(Span::Prefix(prefix.clone()));
         self.then.push(TxnOp::delete(
@@ -159,12 +223,25 @@ impl Write {
 
     /// This write and `other` as one: every compare of both, then every operation of both.
     pub fn merge(mut self, other: Write) -> Self {
+        self.conds.extend(other.conds);
+        self.effects.extend(other.effects);
         self.compares.extend(other.compares);
         self.then.extend(other.then);
         self.otherwise.extend(other.otherwise);
         self.reads.extend(other.reads);
         self.writes.extend(other.writes);
         self.bytes += other.bytes;
+        self
+    }
+
+    /// This write without the compares `drop` picks: a mutation control of the protocol model
+    /// (a compare taken out of the code must make the model fail).
+    pub fn without(mut self, drop: impl Fn(&Cond) -> bool) -> Write {
+        let keep: Vec<bool> = self.conds.iter().map(|c| !drop(c)).collect();
+        let mut kept = keep.iter();
+        self.compares.retain(|_| *kept.next().unwrap_or(&true));
+        let mut kept = keep.iter();
+        self.conds.retain(|_| *kept.next().unwrap_or(&true));
         self
     }
 

@@ -441,18 +441,21 @@ enum Accept {
 /// Writes `started`, fenced by this incarnation's key and the assignment. A retry after a
 /// timeout recognises its own earlier commit by the record's pid.
 async fn accept(inc: &Incarnation, keys: &Keyed, token: i64, started: &AttemptRecord) -> Accept {
-    let worker_key = inc.keys.worker(&inc.config.worker_id);
     let assignment = keys.assignment.clone();
     let attempt = keys.record.clone();
     let until = tokio::time::Instant::now() + inc.config.assign_timeout / 2;
     let mut last = String::new();
     while tokio::time::Instant::now() < until {
-        let write = Write::new()
-            .when_created(worker_key.clone(), inc.rev)
-            .when_modified(assignment.clone(), token)
-            .when_absent(attempt.clone())
-            .put(attempt.clone(), codec::encode(started))
-            .or_get(attempt.clone());
+        let worker = &inc.config.worker_id;
+        let write = super::writes::started(
+            &inc.keys,
+            worker,
+            inc.rev,
+            &assignment,
+            token,
+            &attempt,
+            started,
+        );
         match inc.reports.commit(write).await {
             Ok(Outcome::Applied { revision, .. }) => return Accept::Yes(revision),
             Ok(Outcome::Conflict { response, .. }) => {
@@ -484,8 +487,8 @@ async fn accept(inc: &Incarnation, keys: &Keyed, token: i64, started: &AttemptRe
 /// leader has ended the assignment (then there is nobody left to tell).
 /// Whether it landed.
 async fn report(inc: &Incarnation, keys: &Keyed, id: &str, token: i64, rec: AttemptRecord) -> bool {
-    let fence = Write::new().when_modified(keys.assignment.clone(), token);
-    put_report(inc, keys, id, token, fence, rec).await
+    let write = super::writes::report(&keys.assignment, token, &keys.record, &rec);
+    put_report(inc, id, token, write).await
 }
 
 /// Writes how an execution whose assignment the leader deleted ended, over its own `started`
@@ -498,24 +501,15 @@ async fn report_over(
     started_rev: i64,
     rec: AttemptRecord,
 ) {
-    let fence = Write::new().when_modified(keys.record.clone(), started_rev);
-    put_report(inc, keys, id, token, fence, rec).await;
+    let write = super::writes::report_over(&keys.record, started_rev, &rec);
+    put_report(inc, id, token, write).await;
 }
 
-/// Puts `rec` under `fence`, retried until it lands (`true`) or the fence has failed.
-async fn put_report(
-    inc: &Incarnation,
-    keys: &Keyed,
-    id: &str,
-    token: i64,
-    fence: Write,
-    rec: AttemptRecord,
-) -> bool {
-    let attempt = keys.record.clone();
+/// Commits a report, retried until it lands (`true`) or its compares have failed.
+async fn put_report(inc: &Incarnation, id: &str, token: i64, write: Write) -> bool {
     let mut pause = crate::retry::policies::WORKER_REPORT.backoff();
     loop {
-        let write = fence.clone().put(attempt.clone(), codec::encode(&rec));
-        match inc.reports.commit(write).await {
+        match inc.reports.commit(write.clone()).await {
             Ok(Outcome::Applied { .. }) => return true,
             Ok(_) => {
                 tracing::info!(

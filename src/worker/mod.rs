@@ -22,6 +22,7 @@ mod attempt;
 mod incarnation;
 mod logs;
 mod registration;
+pub mod writes;
 
 pub use logs::{WorkerLogs, READ_MAX};
 

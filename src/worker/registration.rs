@@ -21,7 +21,6 @@ pub(super) async fn register(
     lease: &Lease,
     stop: &CancellationToken,
 ) -> Option<i64> {
-    let key = keys.worker(&config.worker_id);
     // A worker an operator drained comes back drained: nothing is assigned to it in between.
     let mut c = store.client();
     let drained = store
@@ -53,13 +52,7 @@ pub(super) async fn register(
         if stop.is_cancelled() || lease.lost().is_cancelled() {
             return None;
         }
-        let txn = Txn::new()
-            .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(
-                key.clone(),
-                codec::encode(&record),
-                Some(PutOptions::new().with_lease(lease.id())),
-            )]);
+        let txn = super::writes::register(keys, &record, lease.id()).into_txn();
         let mut c = store.client();
         match store.timed("register worker", c.txn(txn)).await {
             Ok(r) if r.succeeded() => return r.header().map(|h| h.revision()),

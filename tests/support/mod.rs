@@ -207,6 +207,12 @@ impl Cluster {
 
     /// Starts another separate worker (`w<n>`) with these extra arguments.
     pub fn add_worker(&mut self, extra: &[&str]) -> usize {
+        let direct = self.etcd.endpoints();
+        self.add_worker_via(direct, extra)
+    }
+
+    /// [`Cluster::add_worker`], reaching etcd through `endpoints` (a fault proxy, say).
+    pub fn add_worker_via(&mut self, endpoints: Vec<String>, extra: &[&str]) -> usize {
         let n = self.workers.len() + 1;
         let base = self.replicas.first().map(|r| r.spec().clone()).unwrap();
         let mut args = vec![
@@ -217,7 +223,7 @@ impl Cluster {
         let spec = ReplicaSpec {
             id: format!("w{n}"),
             listen: ([127, 0, 0, 1], free_port()).into(),
-            etcd_endpoints: self.etcd.endpoints(),
+            etcd_endpoints: endpoints,
             extra_args: args,
             worker: true,
             ..base

@@ -59,6 +59,8 @@ struct Watched {
     record: String,
     worker: String,
     worker_rev: i64,
+    /// Its worker incarnation's lease (0: unknown).
+    lease: i64,
     /// How long its execution may outlive its worker's key.
     ttl: Duration,
     assign_timeout: Duration,
@@ -77,6 +79,7 @@ impl Watched {
             record: keys.cleanup_record(id, &a.step),
             worker: a.worker.clone(),
             worker_rev: a.worker_rev,
+            lease: a.worker_lease,
             ttl: Duration::from_millis(a.worker_ttl_ms),
             assign_timeout: Duration::from_millis(a.assign_timeout_ms),
             waiting_out,
@@ -121,6 +124,8 @@ pub(super) struct JobTask<'a> {
     want_slot: bool,
     /// Steps whose success this task recorded.
     recorded: Vec<String>,
+    /// Gone worker incarnations whose lease this task revoked.
+    revoked: std::collections::HashSet<(String, i64)>,
 }
 
 impl<'a> JobTask<'a> {
@@ -134,6 +139,7 @@ impl<'a> JobTask<'a> {
             looks: HashMap::new(),
             want_slot: false,
             recorded: Vec::new(),
+            revoked: Default::default(),
         }
     }
 
@@ -206,11 +212,10 @@ impl<'a> JobTask<'a> {
                 return Pass::Finished(Next::Stop);
             }
         }
-        if let Some((entry, rev)) = &snap.registry {
+        if snap.registry.is_some() {
             // A registry entry beside the result: removed (its attempt recorded for the steps
             // to wait out) by whichever of this task and the actor's transition comes first.
-            crate::coordinator::transition::remove_stray(ctx, self.on.writer, snap, entry, *rev)
-                .await;
+            crate::coordinator::transition::remove_stray(ctx, self.on.writer, snap).await;
             return Pass::Reread;
         }
         if dirty.cleanup.stage >= 2 {
@@ -340,6 +345,7 @@ impl<'a> JobTask<'a> {
                     record: ctx.keys.attempt(id, s.token),
                     worker: s.worker.clone(),
                     worker_rev: s.worker_rev,
+                    lease: s.worker_lease,
                     ttl: Duration::from_millis(s.worker_ttl_ms),
                     assign_timeout: Duration::MAX,
                     waiting_out: Some(job_timeout + REVOKED_SLACK),
@@ -727,6 +733,28 @@ impl<'a> JobTask<'a> {
                 codec::decode::<AttemptRecord>(kv.key(), kv.value(), ATTEMPT_VERSION).ok()
             });
             let alive = worker_kv.is_some_and(|kv| kv.create_revision() == w.worker_rev);
+            let started = rec
+                .as_ref()
+                .is_some_and(|r| r.state == AttemptState::Started);
+            let key = (w.worker.clone(), w.worker_rev);
+            if !alive && started && w.lease != 0 && !self.revoked.contains(&key) {
+                // Its key is gone but its lease may live on: no wait starts before that lease
+                // is revoked (see the fleet's guarantee).
+                let store = &self.ctx.store;
+                match crate::coordinator::fleet::revoke_lease(store, w.lease).await {
+                    Ok(()) => {
+                        tracing::warn!(record = %w.record, worker = %w.worker, lease = w.lease, "its worker's key is gone: revoked the worker's lease before waiting out its TTL");
+                        self.revoked.insert(key.clone());
+                        self.gone.insert(key, Instant::now());
+                    }
+                    Err(e) => {
+                        tracing::warn!(worker = %w.worker, error = %e, "cannot revoke a gone worker's lease yet");
+                        let again = Instant::now() + Duration::from_millis(500);
+                        out.push((Seen::Running(Some(again)), rec_rev));
+                        continue;
+                    }
+                }
+            }
             out.push((self.judge(w, rec, alive), rec_rev));
         }
         Some(out)
@@ -854,12 +882,17 @@ impl<'a> JobTask<'a> {
         let Some((pick, lease)) = order.iter().find_map(|w| {
             self.on
                 .slots
-                .try_take(&w.0, w.1, w.3.cleanup_capacity)
+                .try_take(&w.record.worker_id, w.rev, w.record.cleanup_capacity)
                 .map(|l| (*w, l))
         }) else {
             return Placed::NoSlot;
         };
-        let (wid, wrev, wmod, rec) = pick;
+        let (wid, wrev, wmod, rec) = (
+            &pick.record.worker_id,
+            &pick.rev,
+            &pick.mod_rev,
+            &pick.record,
+        );
         let attempt = s.attempts + 1;
         let record_step = if named {
             format!("{}.{attempt}", step.name)
@@ -893,6 +926,7 @@ impl<'a> JobTask<'a> {
         let asg = CleanupAssigned {
             worker: wid.clone(),
             worker_rev: *wrev,
+            worker_lease: pick.lease,
             worker_ttl_ms: rec.lease_ttl_ms.saturating_add(rec.margin_ms),
             assign_timeout_ms: rec.assign_timeout_ms,
             step: record_step.clone(),
@@ -922,13 +956,19 @@ impl<'a> JobTask<'a> {
             Ok(w) => w,
             Err(e) => return Placed::Not(format!("cannot list workers: {e}")),
         };
-        let Some((wid, wrev, wmod, rec)) = workers
+        let Some(pick) = workers
             .iter()
-            .find(|x| &x.0 == w && x.1 == result.worker_rev)
+            .find(|x| &x.record.worker_id == w && x.rev == result.worker_rev)
         else {
             // Gone: its next incarnation removes stale folders when it starts.
             return Placed::Gone;
         };
+        let (wid, wrev, wmod, rec) = (
+            &pick.record.worker_id,
+            &pick.rev,
+            &pick.mod_rev,
+            &pick.record,
+        );
         let assignment = Assignment {
             version: CLEANUP_ASSIGNMENT_VERSION,
             kind: AssignmentKind::Folder,
@@ -950,6 +990,7 @@ impl<'a> JobTask<'a> {
         let asg = CleanupAssigned {
             worker: wid.clone(),
             worker_rev: *wrev,
+            worker_lease: pick.lease,
             worker_ttl_ms: rec.lease_ttl_ms.saturating_add(rec.margin_ms),
             assign_timeout_ms: rec.assign_timeout_ms,
             step: "folder".into(),

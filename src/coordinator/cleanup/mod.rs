@@ -355,31 +355,19 @@ struct On<'a> {
 }
 
 impl On<'_> {
-    /// Live workers: id, incarnation, mod revision, record; from the term's view when it has
-    /// one (no read), else from etcd.
+    /// Live workers, from the term's view when it has one (no read), else from etcd.
     async fn workers(&self, ctx: &Ctx) -> Result<Vec<LiveWorker>, crate::store::Error> {
         {
             let f = self.fleet.lock().expect("fleet lock");
             if f.loaded() {
-                return Ok(f
-                    .workers
-                    .values()
-                    .map(|w| {
-                        (
-                            w.record.worker_id.clone(),
-                            w.rev,
-                            w.mod_rev,
-                            w.record.clone(),
-                        )
-                    })
-                    .collect());
+                return Ok(f.workers.values().cloned().collect());
             }
         }
         live_workers(ctx).await
     }
 }
 
-/// Live workers: id, incarnation, mod revision, record.
+/// Live workers, read from etcd.
 async fn live_workers(ctx: &Ctx) -> Result<Vec<LiveWorker>, crate::store::Error> {
     let mut c = ctx.store.client();
     let get = c.get(
@@ -391,13 +379,13 @@ async fn live_workers(ctx: &Ctx) -> Result<Vec<LiveWorker>, crate::store::Error>
         .kvs()
         .iter()
         .filter_map(|kv| {
-            let r: WorkerRecord = codec::decode(kv.key(), kv.value(), WORKER_VERSION).ok()?;
-            Some((
-                r.worker_id.clone(),
-                kv.create_revision(),
-                kv.mod_revision(),
-                r,
-            ))
+            let record: WorkerRecord = codec::decode(kv.key(), kv.value(), WORKER_VERSION).ok()?;
+            Some(LiveWorker {
+                rev: kv.create_revision(),
+                mod_rev: kv.mod_revision(),
+                lease: kv.lease(),
+                record,
+            })
         })
         .collect())
 }

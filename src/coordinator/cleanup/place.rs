@@ -7,10 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-use crate::jobs::work::WorkerRecord;
-
-/// A live worker as the cleaner sees it: id, incarnation, mod revision, record.
-pub(super) type LiveWorker = (String, i64, i64, WorkerRecord);
+/// A live worker as the cleaner sees it.
+pub(super) type LiveWorker = crate::coordinator::fleet::WorkerView;
 
 /// The step commands this term counts as running.
 #[derive(Default)]
@@ -129,9 +127,11 @@ pub(super) fn candidates<'a>(
     let open: Vec<&LiveWorker> = workers
         .iter()
         .filter(|w| {
-            !w.3.draining
-                && w.3.cleanup_capacity > 0
-                && selector.iter().all(|(k, v)| w.3.labels.get(k) == Some(v))
+            !w.record.draining
+                && w.record.cleanup_capacity > 0
+                && selector
+                    .iter()
+                    .all(|(k, v)| w.record.labels.get(k) == Some(v))
         })
         .collect();
     if open.is_empty() {
@@ -142,25 +142,26 @@ pub(super) fn candidates<'a>(
         .fold(0usize, |h, b| h.wrapping_mul(31).wrapping_add(b as usize));
     let first = open
         .iter()
-        .position(|w| own.is_some_and(|(id, rev)| w.0 == id && w.1 == rev))
+        .position(|w| own.is_some_and(|(id, rev)| w.record.worker_id == id && w.rev == rev))
         .unwrap_or(spread % open.len());
     let n = open.len();
     let mut out: Vec<&LiveWorker> = (0..n).map(|i| open[(first + turn + i) % n]).collect();
     // A worker with room first, in that order.
-    out.sort_by_key(|w| slots.on(&w.0, w.1) >= w.3.cleanup_capacity as usize);
+    out.sort_by_key(|w| slots.on(&w.record.worker_id, w.rev) >= w.record.cleanup_capacity as usize);
     out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::jobs::work::WorkerRecord;
 
     fn worker(id: &str, cap: u32) -> LiveWorker {
-        (
-            id.to_string(),
-            1,
-            1,
-            WorkerRecord {
+        LiveWorker {
+            rev: 1,
+            mod_rev: 1,
+            lease: 7,
+            record: WorkerRecord {
                 version: 1,
                 worker_id: id.into(),
                 advertise: String::new(),
@@ -174,7 +175,7 @@ mod tests {
                 assign_timeout_ms: 10_000,
                 started_at_ms: 0,
             },
-        )
+        }
     }
 
     #[test]
@@ -203,7 +204,7 @@ mod tests {
         let order = |own, turn| -> Vec<String> {
             candidates(&ws, &s, &none, own, "job", turn)
                 .into_iter()
-                .map(|w| w.0.clone())
+                .map(|w| w.record.worker_id.clone())
                 .collect()
         };
         assert_eq!(order(Some(("b", 1)), 0), ["b", "a"], "c runs no cleanups");
