@@ -13,7 +13,7 @@ SOAK_SEED ?= $(shell date +%s)
 PYTHON ?= python3
 VENV := target/test-venv
 
-.PHONY: deps build run test lint soak pydeps
+.PHONY: deps build run test lint soak pydeps modelcheck
 
 deps:
 	@./scripts/install-deps
@@ -26,7 +26,7 @@ run: build
 
 lint: deps
 	$(CARGO) fmt --all -- --check
-	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 pydeps: $(VENV)/.installed
 
@@ -43,6 +43,16 @@ test: lint pydeps
 	BATON_TEST_PYTHON=$(abspath $(VENV))/bin/python \
 	BATON_TEST_RELEASE_BIN=$(abspath $(TARGET_DIR)/release/baton) \
 	$(CARGO) test -- --test-threads=$(TEST_THREADS)
+	# The protocol model (model/): no faults, one fault of each kind, the mutation controls;
+	# optimised, as the state space is large.
+	$(CARGO) test --release -p baton-model -- --test-threads=$(TEST_THREADS)
+
+# `make modelcheck`: the protocol model with two faults of any kinds (MODEL_FAULTS), on demand;
+# MODEL_SECONDS set: a random simulation for that long instead of an exhaustive search.
+MODEL_FAULTS ?= 2
+MODEL_SECONDS ?=
+modelcheck: deps
+	$(CARGO) run --release -p baton-model --bin modelcheck -- $(MODEL_FAULTS) $(TEST_THREADS) $(MODEL_SECONDS)
 
 soak: build
 	./target/debug/baton drill --etcd-members 3 --shuffle --duration $(SOAK_DURATION) \

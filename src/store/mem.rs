@@ -61,7 +61,12 @@ impl MemEtcd {
     }
 
     /// [`Self::apply`] of a write kept as its parts (a model's write in flight).
-    pub fn apply_parts(&mut self, conds: &[Cond], effects: &[Effect], fence: Option<&Cond>) -> bool {
+    pub fn apply_parts(
+        &mut self,
+        conds: &[Cond],
+        effects: &[Effect],
+        fence: Option<&Cond>,
+    ) -> bool {
         if !fence.into_iter().chain(conds).all(|c| self.holds(c)) {
             return false;
         }
