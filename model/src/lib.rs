@@ -26,9 +26,7 @@
 
 use std::collections::BTreeMap;
 
-use baton::coordinator::protocol::{
-    self, Decision, Ending, Job, Outcome, Requeue, Target, Verdict,
-};
+use baton::coordinator::protocol::{self, Decision, Ending, Job, Outcome, Requeue, Seen, Target};
 use baton::jobs::spec::{JobRecord, JobSpec, JOB_RECORD_VERSION};
 use baton::jobs::work::{
     AttemptRecord, AttemptState, WorkerRecord, ATTEMPT_VERSION, WORKER_VERSION,
@@ -168,6 +166,9 @@ pub struct Lead {
 pub struct InFlight {
     pub conds: Vec<Cond>,
     pub effects: Vec<Effect>,
+    /// The writer's term (its election key's create revision).
+    pub term: i64,
+    /// The fence it carries (none under the mutation control).
     pub fence: Option<i64>,
     /// The jobs whose result it writes.
     pub results: Vec<u8>,
@@ -178,6 +179,8 @@ pub struct InFlight {
 pub struct Gone {
     /// Ticks before its jobs may be restarted.
     pub wait: u8,
+    /// This term revoked its lease (the wait counts from then).
+    pub revoked: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -436,37 +439,33 @@ impl BatonModel {
         };
         let gone = s.replicas[r].gone.clone();
         let mut newly_gone: Option<(i64, Gone)> = None;
+        // What the leader's fleet knows, handed to the code's own rule.
         let decision = protocol::decide(&snap, 0, |entry, started| {
             let wid = entry.worker.clone().unwrap_or_default();
             let alive = s
                 .etcd
                 .get(self.keys.worker(&wid).as_bytes())
                 .is_some_and(|kv| kv.create == entry.worker_rev);
-            if alive {
-                return match (started, pick) {
-                    (false, Pick::TakeBack) if s.takebacks[j as usize] > 0 => Verdict::NoStart,
-                    _ => Verdict::Wait,
-                };
-            }
-            match gone.get(&entry.worker_rev) {
-                Some(g) if g.wait > 0 => Verdict::Wait,
-                Some(_) => Verdict::Gone,
-                None if !started => Verdict::Gone,
-                None if !self.mutations.no_revoke && entry.worker_lease != 0 => Verdict::Unrevoked,
-                None => {
-                    let wait = if self.mutations.short_wait {
-                        0
-                    } else {
-                        TTL + MARGIN
+            let seen = if alive {
+                let taking = pick == Pick::TakeBack && s.takebacks[j as usize] > 0;
+                Seen::Alive { timed_out: taking }
+            } else {
+                // Seen gone now, unless this term already follows it.
+                let g = gone.get(&entry.worker_rev).cloned().unwrap_or_else(|| {
+                    let g = Gone {
+                        wait: TTL + MARGIN,
+                        revoked: false,
                     };
-                    newly_gone = Some((entry.worker_rev, Gone { wait }));
-                    if wait == 0 {
-                        Verdict::Gone
-                    } else {
-                        Verdict::Wait
-                    }
+                    newly_gone = Some((entry.worker_rev, g.clone()));
+                    g
+                });
+                Seen::Gone {
+                    lease_known: entry.worker_lease != 0 && !self.mutations.no_revoke,
+                    revoked: g.revoked,
+                    waited: g.wait == 0 || self.mutations.short_wait,
                 }
-            }
+            };
+            protocol::verdict(seen, started)
         });
         let noted = newly_gone.is_some();
         if let Some((rev, g)) = newly_gone {
@@ -483,6 +482,7 @@ impl BatonModel {
             s.replicas[r].outbox = Some(InFlight {
                 conds: write.conds().to_vec(),
                 effects: write.effects().to_vec(),
+                term,
                 fence: (!self.mutations.no_fence).then_some(term),
                 results,
             });
@@ -552,14 +552,11 @@ impl BatonModel {
             Decision::Revoke => {
                 // Not a transaction: a revoke goes straight to etcd, and the wait starts.
                 s.revoke(job.entry.worker_lease);
-                let wait = if self.mutations.short_wait {
-                    0
-                } else {
-                    TTL + MARGIN
+                let g = Gone {
+                    wait: TTL + MARGIN,
+                    revoked: true,
                 };
-                s.replicas[r]
-                    .gone
-                    .insert(job.entry.worker_rev, Gone { wait });
+                s.replicas[r].gone.insert(job.entry.worker_rev, g);
                 true
             }
             Decision::Idle
@@ -887,9 +884,19 @@ impl Model for BatonModel {
                     .map(|rev| Cond::Created(self.election().into_bytes(), rev));
                 if s.etcd.apply_parts(&f.conds, &f.effects, fence.as_ref()) {
                     let current = s.etcd.get(self.election().as_bytes()).map(|kv| kv.create);
-                    let writer = s.replicas[r as usize].lead.as_ref().map(|l| l.fence);
-                    if f.fence.is_none() && (current != writer || current.is_none()) {
+                    if current != Some(f.term) {
                         s.break_with("a leader write applied outside the current term");
+                    }
+                    let assigns = self.keys.assignments();
+                    for j in 0..self.jobs {
+                        let tail = format!("/{}", Self::job_id(j));
+                        let assigned = f.effects.iter().any(|e| {
+                            matches!(e, Effect::Put(k, _, _)
+                                if k.starts_with(assigns.as_bytes()) && k.ends_with(tail.as_bytes()))
+                        });
+                        if assigned && s.running(j) > 0 {
+                            s.break_with("an assignment while an execution of the job runs");
+                        }
                     }
                     for j in f.results {
                         s.results[j as usize] += 1;
@@ -1027,21 +1034,6 @@ impl Model for BatonModel {
                     && acting
                         .iter()
                         .all(|l| key.is_some_and(|kv| kv.create == l.fence))
-            }),
-            Property::always("proofs never exceed etcd's countdown", |_, s: &State| {
-                let leads = s
-                    .replicas
-                    .iter()
-                    .filter_map(|r| r.lead.as_ref())
-                    .map(|l| (l.lease, l.proof));
-                let incs = s
-                    .workers
-                    .iter()
-                    .filter_map(|w| w.inc.as_ref())
-                    .map(|i| (i.lease, i.proof));
-                leads
-                    .chain(incs)
-                    .all(|(lease, proof)| s.countdown.get(&lease).is_none_or(|left| proof <= *left))
             }),
             Property::always(
                 "at most one execution of a job runs",

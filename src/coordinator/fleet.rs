@@ -30,8 +30,9 @@ pub(super) enum Liveness {
     Alive,
     /// Gone no later than this (as this term saw it).
     Gone(Instant),
-    /// Gone, and its lease must be revoked before any wait for its jobs starts.
-    Unrevoked,
+    /// Gone (seen so at this instant), and its lease must be revoked before any wait for its
+    /// jobs starts.
+    Unrevoked(Instant),
 }
 
 /// Revokes a gone worker incarnation's lease: from then on no keepalive of it is answered, so
@@ -83,6 +84,8 @@ pub(super) struct Fleet {
     gone: HashMap<(String, i64), Instant>,
     /// Gone incarnations whose lease this term has revoked.
     revoked: HashSet<(String, i64)>,
+    /// The leases of gone incarnations, from their last view (for entries without one).
+    gone_leases: HashMap<(String, i64), i64>,
     /// Whether the workers have been read (a term's first recovery) and followed since.
     loaded: bool,
     /// Assignments this term made or first saw, by token, and when; with the same in time
@@ -102,6 +105,7 @@ impl Fleet {
             loaded: false,
             gone: HashMap::new(),
             revoked: HashSet::new(),
+            gone_leases: HashMap::new(),
             assigned_at: HashMap::new(),
             assigned_order: VecDeque::new(),
             suspect: HashMap::new(),
@@ -118,6 +122,7 @@ impl Fleet {
         for (id, old) in &self.workers {
             if fresh.get(id).is_none_or(|w| w.rev != old.rev) {
                 self.gone.entry((id.clone(), old.rev)).or_insert(now);
+                self.gone_leases.insert((id.clone(), old.rev), old.lease);
             }
         }
         self.workers = fresh;
@@ -142,6 +147,9 @@ impl Fleet {
                 .entry((id.clone(), w.rev))
                 .or_insert_with(Instant::now);
         }
+        if let Some(old) = self.workers.get(&id).filter(|old| old.rev != view.rev) {
+            self.gone_leases.insert((id.clone(), old.rev), old.lease);
+        }
         self.workers.insert(id, view);
         replaced
     }
@@ -152,6 +160,8 @@ impl Fleet {
         self.gone
             .entry((id.to_string(), old.rev))
             .or_insert_with(Instant::now);
+        self.gone_leases
+            .insert((id.to_string(), old.rev), old.lease);
         Some(Went::of(&old))
     }
 
@@ -172,6 +182,11 @@ impl Fleet {
         let key = (id.to_string(), rev);
         self.gone.insert(key.clone(), Instant::now());
         self.revoked.insert(key);
+    }
+
+    /// The lease of gone incarnation `(id, rev)`, if this term saw it alive.
+    pub(super) fn lease_of(&self, id: &str, rev: i64) -> Option<i64> {
+        self.gone_leases.get(&(id.to_string(), rev)).copied()
     }
 
     /// Whether this term has revoked the lease of incarnation `(id, rev)`.

@@ -47,6 +47,38 @@ pub enum Verdict {
     Gone,
 }
 
+/// What the fleet knows of the worker incarnation of a RUNNING attempt that has not ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Seen {
+    /// Its key is there; `timed_out`: the assignment's accept timeout has passed.
+    Alive { timed_out: bool },
+    /// Its key is gone. `lease_known`: its lease id is known (from the entry or the fleet);
+    /// `revoked`: this term has revoked it; `waited`: its TTL and margin have passed since
+    /// (since the deletion, when not revoked).
+    Gone {
+        lease_known: bool,
+        revoked: bool,
+        waited: bool,
+    },
+}
+
+/// The rule for an attempt that has not ended (`started`: it has a `started` record). A
+/// started attempt of a gone incarnation waits only once its lease is revoked, when its id is
+/// known: from then on no keepalive of it is answered, so its guards stop feeding the job.
+pub fn verdict(seen: Seen, started: bool) -> Verdict {
+    match seen {
+        Seen::Alive { timed_out: true } if !started => Verdict::NoStart,
+        Seen::Alive { .. } => Verdict::Wait,
+        Seen::Gone {
+            lease_known: true,
+            revoked: false,
+            ..
+        } if started => Verdict::Unrevoked,
+        Seen::Gone { waited: false, .. } => Verdict::Wait,
+        Seen::Gone { .. } => Verdict::Gone,
+    }
+}
+
 /// What the leader does next about one job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Decision {

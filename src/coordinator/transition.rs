@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::fleet::{Fleet, Liveness, Pick, Selector};
-use super::protocol::{self, Decision, Ending, Job, Requeue, Target, Verdict};
+use super::protocol::{self, Decision, Ending, Job, Requeue, Seen, Target, Verdict};
 use super::{CoordinatorConfig, Ctx, Writer};
 use crate::election::{Commit, FenceError};
 use crate::jobs::records::{self, RegistryEntry, TerminalStatus};
@@ -83,7 +83,7 @@ pub(super) async fn transition(
                 Verdict::Wait
             }
             Err(Liveness::Alive) => Verdict::NoStart,
-            Err(Liveness::Unrevoked) => Verdict::Unrevoked,
+            Err(Liveness::Unrevoked(_)) => Verdict::Unrevoked,
             Err(Liveness::Gone(_)) => Verdict::Gone,
         }
     });
@@ -143,7 +143,7 @@ pub(super) async fn transition(
         }
         Decision::Wait => waiting.unwrap_or(Outcome::Retry),
         Decision::Revoke => {
-            let lease = job.job.entry.worker_lease;
+            let lease = worker_lease(&fleet.lock().expect("fleet lock"), &worker, &job.job.entry);
             match super::fleet::revoke_lease(&ctx.store, lease).await {
                 Ok(()) => {
                     tracing::warn!(job_id = id, worker = %worker, lease, "its worker's key is gone: revoked the worker's lease before waiting out its TTL");
@@ -192,33 +192,41 @@ pub(super) fn adopt(
         fresh: false,
     };
     let now = Instant::now();
-    let liveness = fleet.liveness(worker, entry.worker_rev);
-    if matches!(liveness, Liveness::Gone(_))
-        && started
-        && entry.worker_lease != 0
-        && !fleet.is_revoked(worker, entry.worker_rev)
-    {
-        return Err(Liveness::Unrevoked);
-    }
-    match liveness {
-        Liveness::Alive if started => Ok(running(None)),
+    let (seen, due) = match fleet.liveness(worker, entry.worker_rev) {
+        Liveness::Alive if started => (Seen::Alive { timed_out: false }, None),
         Liveness::Alive => {
             let due = fleet.accept_due(worker, registry_rev);
-            if now < due {
-                Ok(running(Some(due)))
-            } else {
-                Err(Liveness::Alive)
-            }
+            (
+                Seen::Alive {
+                    timed_out: now >= due,
+                },
+                Some(due),
+            )
         }
-        Liveness::Gone(since) => {
+        Liveness::Gone(since) | Liveness::Unrevoked(since) => {
             let due = since + Duration::from_millis(entry.worker_ttl_ms);
-            if now < due {
-                Ok(running(Some(due)))
-            } else {
-                Err(Liveness::Gone(since))
-            }
+            let seen = Seen::Gone {
+                lease_known: worker_lease(fleet, worker, entry) != 0,
+                revoked: fleet.is_revoked(worker, entry.worker_rev),
+                waited: now >= due,
+            };
+            (seen, Some(due))
         }
-        Liveness::Unrevoked => Err(Liveness::Unrevoked),
+    };
+    match protocol::verdict(seen, started) {
+        Verdict::Wait => Ok(running(due)),
+        Verdict::NoStart => Err(Liveness::Alive),
+        Verdict::Unrevoked => Err(Liveness::Unrevoked(now)),
+        Verdict::Gone => Err(Liveness::Gone(now)),
+    }
+}
+
+/// The lease of a RUNNING entry's worker incarnation: from the entry, or, for an entry of an
+/// older release, from the fleet's last view of that incarnation (0: unknown).
+fn worker_lease(fleet: &Fleet, worker: &str, entry: &RegistryEntry) -> i64 {
+    match entry.worker_lease {
+        0 => fleet.lease_of(worker, entry.worker_rev).unwrap_or(0),
+        lease => lease,
     }
 }
 

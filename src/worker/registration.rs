@@ -42,7 +42,8 @@ pub(super) async fn register(
         labels: config.labels.clone(),
         draining: drained,
         started_at: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
-        lease_ttl_ms: config.lease_ttl.as_millis() as u64,
+        // What etcd granted (it may raise a TTL below its minimum): how long the leader waits.
+        lease_ttl_ms: lease.ttl().as_millis() as u64,
         margin_ms: config.guard.margin.as_millis() as u64,
         assign_timeout_ms: config.assign_timeout.as_millis() as u64,
         started_at_ms: crate::jobs::records::now_ms(),

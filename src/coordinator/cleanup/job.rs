@@ -737,13 +737,20 @@ impl<'a> JobTask<'a> {
                 .as_ref()
                 .is_some_and(|r| r.state == AttemptState::Started);
             let key = (w.worker.clone(), w.worker_rev);
-            if !alive && started && w.lease != 0 && !self.revoked.contains(&key) {
+            let lease = match w.lease {
+                // An older release's record: the lease from the term's last view of it.
+                0 => (self.on.fleet.lock().expect("fleet lock"))
+                    .lease_of(&w.worker, w.worker_rev)
+                    .unwrap_or(0),
+                lease => lease,
+            };
+            if !alive && started && lease != 0 && !self.revoked.contains(&key) {
                 // Its key is gone but its lease may live on: no wait starts before that lease
                 // is revoked (see the fleet's guarantee).
                 let store = &self.ctx.store;
-                match crate::coordinator::fleet::revoke_lease(store, w.lease).await {
+                match crate::coordinator::fleet::revoke_lease(store, lease).await {
                     Ok(()) => {
-                        tracing::warn!(record = %w.record, worker = %w.worker, lease = w.lease, "its worker's key is gone: revoked the worker's lease before waiting out its TTL");
+                        tracing::warn!(record = %w.record, worker = %w.worker, lease, "its worker's key is gone: revoked the worker's lease before waiting out its TTL");
                         self.revoked.insert(key.clone());
                         self.gone.insert(key, Instant::now());
                     }
