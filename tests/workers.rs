@@ -223,10 +223,10 @@ async fn a_worker_key_revoked_early_stops_its_job_before_it_runs_elsewhere() {
     c.wait_workers(&["w1", "w2"]).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_key_deleted_while_its_watch_is_cut_off_cannot_let_two_executions_overlap() {
-    // w1 reaches etcd through a proxy, but its lease keepalives go straight to etcd: cut off,
-    // it keeps proving its lease and never learns that its key was deleted.
+/// Job `id` (`sh -c script`, `$OUT` its scratch folder) running on w1, which reaches etcd
+/// through a proxy while its lease keepalives go straight to etcd: cut off, it keeps proving
+/// its lease and never learns that its key was deleted.
+async fn running_on_a_worker_behind_a_proxy(id: &str, script: &str) -> (Cluster, FaultProxy) {
     let mut c = Cluster::start(worker_opts(0, &[]));
     c.leader_index().await;
     let direct = c.etcd.endpoints();
@@ -238,11 +238,17 @@ async fn a_worker_key_deleted_while_its_watch_is_cut_off_cannot_let_two_executio
     );
     c.wait_workers(&["w1"]).await;
     let out = scratch(&c);
-    let mut spec =
-        sh("echo run >> \"$OUT/deleted\"; [ \"$BATON_ATTEMPT\" = 1 ] && sleep 600; exit 0");
+    let mut spec = sh(script);
     spec.env.insert("OUT".into(), out.display().to_string());
-    c.submit(0, "deleted", spec).await;
-    wait_until("the job to start", LONG, || runs(&out, "deleted") == 1).await;
+    c.submit(0, id, spec).await;
+    wait_until("the job to start", LONG, || runs(&out, id) == 1).await;
+    (c, proxy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_key_deleted_while_its_watch_is_cut_off_cannot_let_two_executions_overlap() {
+    let script = "echo run >> \"$OUT/deleted\"; [ \"$BATON_ATTEMPT\" = 1 ] && sleep 600; exit 0";
+    let (mut c, proxy) = running_on_a_worker_behind_a_proxy("deleted", script).await;
     c.add_worker(&[]);
     c.wait_workers(&["w1", "w2"]).await;
     proxy.set_mode(Mode::Blackhole);
@@ -271,6 +277,38 @@ async fn a_worker_key_deleted_while_its_watch_is_cut_off_cannot_let_two_executio
     assert!(
         logs.contains("revoked the worker's lease"),
         "the leader revoked it"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_key_is_deleted_stops_its_job_by_itself_with_no_leader_acting() {
+    // As above, but every coordinator is frozen: only the worker's own renewals, which read its
+    // key back, can notice the deletion.
+    let script = "echo run >> \"$OUT/alone\"; sleep 600";
+    let (c, proxy) = running_on_a_worker_behind_a_proxy("alone", script).await;
+    for r in &c.replicas {
+        r.pause();
+    }
+    proxy.set_mode(Mode::Blackhole);
+    let mut client = etcd_client::Client::connect(c.etcd.endpoints(), None)
+        .await
+        .unwrap();
+    client.delete("/baton/test/workers/w1", None).await.unwrap();
+    let ended = wait_for("the job to be killed by its guard", LONG, || async {
+        c.exit_record("alone", 1)
+    })
+    .await;
+    for r in &c.replicas {
+        r.resume();
+    }
+    assert!(
+        ended.killed_by.is_some(),
+        "killed, not ended on its own: {ended:?}"
+    );
+    let log = std::fs::read_to_string(c.workers[0].log_path()).unwrap_or_default();
+    assert!(
+        log.contains("the key this lease holds is gone"),
+        "noticed by a renewal"
     );
 }
 

@@ -81,7 +81,8 @@ pub struct Mutations {
     pub no_go_check: bool,
     /// A gone worker's jobs are rescheduled without waiting its TTL and margin.
     pub short_wait: bool,
-    /// A gone worker's lease is not revoked before the wait (the gap of issue 27).
+    /// A gone worker's lease is not revoked before the wait, and a worker's renewals do not
+    /// check its own key (both close the gap of issue 27).
     pub no_revoke: bool,
 }
 
@@ -926,11 +927,18 @@ impl Model for BatonModel {
                 true
             }
             Action::WorkerKeepAlive(w) => {
-                let lease = s.workers[w as usize].inc.as_ref()?.lease;
-                if !s.lease_alive(lease) {
+                let inc = s.workers[w as usize].inc.clone()?;
+                let key = self.keys.worker(&Self::worker_id(w));
+                let held = s
+                    .etcd
+                    .get(key.as_bytes())
+                    .is_some_and(|kv| kv.create == inc.rev);
+                // The renewal proves nothing without the worker's own key (see the lease).
+                if !s.lease_alive(inc.lease) || (!held && !self.mutations.no_revoke) {
                     s.lose(w as usize);
                     return Some(s);
                 }
+                let lease = inc.lease;
                 s.countdown.insert(lease, TTL);
                 let wk = &mut s.workers[w as usize];
                 wk.inc.as_mut()?.proof = TTL;

@@ -57,7 +57,7 @@ const ONE_FAULT_STATES: [(FaultKind, usize); 8] = [
     (FaultKind::WorkerCrash, 14_734),
     (FaultKind::WorkerPause, 146_182),
     (FaultKind::WorkerCut, 140_506),
-    (FaultKind::KeyDeleted, 118_666),
+    (FaultKind::KeyDeleted, 117_978),
     (FaultKind::LeaseRevoked, 117_978),
 ];
 

@@ -9,6 +9,10 @@
 //!   connection (a blackholed connection looks open forever).
 //! - When `valid_until - margin` is reached without a renewal, or etcd says the lease is gone,
 //!   [`Lease::lost`] is cancelled; it is never un-cancelled. A lost lease is never reused.
+//! - With a key to hold ([`Lease::hold_key`], a worker's own key), a renewal proves nothing
+//!   unless that key is read back, with its create revision, after the keepalive was sent: a
+//!   key deleted while the lease lives (`etcdctl del`) stops the proofs, so the owner's guards
+//!   stop being fed even if its watch never delivers the deletion.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -81,6 +85,7 @@ pub struct Lease {
     replica: String,
     keepalives: Arc<KeepaliveStats>,
     watchdog: Arc<OnceLock<Watchdog>>,
+    held: Arc<OnceLock<(String, i64)>>,
 }
 
 /// A deadline the lease's owner must keep meeting: when its main loop misses it, the keeper
@@ -139,6 +144,7 @@ impl Lease {
             replica: replica.to_owned(),
             keepalives: Arc::new(KeepaliveStats::new(BootInstant::now())),
             watchdog: Arc::new(OnceLock::new()),
+            held: Arc::new(OnceLock::new()),
         };
         let keeper = Keeper {
             term: lease.term.clone(),
@@ -152,6 +158,7 @@ impl Lease {
             stop: lease.stop.clone(),
             keepalives: lease.keepalives.clone(),
             watchdog: lease.watchdog.clone(),
+            held: lease.held.clone(),
         };
         std::thread::Builder::new()
             .name(format!("lease-{:x}", lease.id))
@@ -218,6 +225,12 @@ impl Lease {
         };
         let _ = self.watchdog.set(w.clone());
         self.watchdog.get().cloned().unwrap_or(w)
+    }
+
+    /// From now on a renewal proves the lease only if `key` is read back after it with this
+    /// create revision (see the module doc); once the key is gone the lease is lost.
+    pub fn hold_key(&self, key: String, create_rev: i64) {
+        let _ = self.held.set((key, create_rev));
     }
 
     /// Reports this lease's keepalive age and margin to the metrics (as `kind`), until another
@@ -298,11 +311,14 @@ struct Keeper {
     stop: CancellationToken,
     keepalives: Arc<KeepaliveStats>,
     watchdog: Arc<OnceLock<Watchdog>>,
+    held: Arc<OnceLock<(String, i64)>>,
 }
 
 enum Renewal {
     Proven(Proof),
     Gone,
+    /// The key the lease holds is gone (or another incarnation's).
+    KeyGone,
 }
 
 /// One etcd connection of the keeper's own, and the keepalive stream on it.
@@ -321,6 +337,7 @@ fn attempt(
     id: i64,
     ttl: Duration,
     per_call: Duration,
+    held: Option<(String, i64)>,
 ) -> Attempt {
     Box::pin(async move {
         let sent = BootInstant::now();
@@ -335,6 +352,24 @@ fn attempt(
                 },
             };
             let r = renew(&mut conn.client, &mut conn.stream, id, ttl, sent).await;
+            let r = match (r, held) {
+                (Ok(Renewal::Proven(p)), Some((key, rev))) => {
+                    // Read after the keepalive was sent: the key lived past `sent`.
+                    match conn.client.get(key, None).await {
+                        Ok(got)
+                            if got
+                                .kvs()
+                                .first()
+                                .is_some_and(|kv| kv.create_revision() == rev) =>
+                        {
+                            Ok(Renewal::Proven(p))
+                        }
+                        Ok(_) => Ok(Renewal::KeyGone),
+                        Err(e) => Err(e),
+                    }
+                }
+                (r, _) => r,
+            };
             Ok::<_, String>((conn, r))
         };
         match tokio::time::timeout(per_call, work).await {
@@ -416,6 +451,11 @@ impl Keeper {
                             self.lose("etcd says the lease is gone");
                             return;
                         }
+                        Ok(Renewal::KeyGone) => {
+                            tracing::warn!(lease = self.id, "the key this lease holds is gone");
+                            self.lose("the key this lease holds is gone");
+                            return;
+                        }
                         Err(e) => {
                             tracing::warn!(lease = self.id, error = %e, "keepalive failed; retrying on a fresh connection");
                             // Once per period, retry at once rather than waiting for the next tick.
@@ -428,12 +468,12 @@ impl Keeper {
                 }
                 _ = async { retry.as_mut().expect("guarded").await }, if retry.is_some() && inflight.is_none() => {
                     retry = None;
-                    inflight = Some(attempt(config.clone(), conn.take(), self.id, self.ttl, per_call));
+                    inflight = Some(attempt(config.clone(), conn.take(), self.id, self.ttl, per_call, self.held.get().cloned()));
                 }
                 _ = ticker.tick(), if inflight.is_none() => {
                     retried = false;
                     retry = None;
-                    inflight = Some(attempt(config.clone(), conn.take(), self.id, self.ttl, per_call));
+                    inflight = Some(attempt(config.clone(), conn.take(), self.id, self.ttl, per_call, self.held.get().cloned()));
                 }
             }
         }

@@ -83,6 +83,8 @@ pub async fn run(store: Store, keys: Keys, config: WorkerConfig, stop: Cancellat
                 continue;
             }
         };
+        // Its guards are fed only while its own key is there (see the lease's module doc).
+        lease.hold_key(keys.worker(&config.worker_id), rev);
         // A new incarnation runs nothing: folders of jobs that are gone, go.
         registration::sweep(&store, &keys, &config).await;
         let span = tracing::info_span!("worker", worker = %config.worker_id, incarnation = rev);
