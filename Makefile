@@ -47,12 +47,14 @@ test: lint pydeps
 	# optimised, as the state space is large.
 	$(CARGO) test --release -p baton-model -- --test-threads=$(TEST_THREADS)
 
-# `make modelcheck`: the protocol model with two faults of any kinds (MODEL_FAULTS), on demand;
-# MODEL_SECONDS set: a random simulation for that long instead of an exhaustive search.
+# `make modelcheck`: the protocol model with two faults of any kinds (MODEL_FAULTS) hitting any
+# replica or worker, on demand; MODEL_SECONDS above 0: a random simulation for that long instead
+# of an exhaustive search; MODEL_JOBS jobs.
 MODEL_FAULTS ?= 2
-MODEL_SECONDS ?=
+MODEL_SECONDS ?= 0
+MODEL_JOBS ?= 1
 modelcheck: deps
-	$(CARGO) run --release -p baton-model --bin modelcheck -- $(MODEL_FAULTS) $(TEST_THREADS) $(MODEL_SECONDS)
+	$(CARGO) run --release -p baton-model --bin modelcheck -- $(MODEL_FAULTS) $(TEST_THREADS) $(MODEL_SECONDS) $(MODEL_JOBS)
 
 soak: build
 	./target/debug/baton drill --etcd-members 3 --shuffle --duration $(SOAK_DURATION) \

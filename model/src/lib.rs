@@ -97,6 +97,8 @@ pub struct BatonModel {
     /// How many faults may happen.
     pub budget: u8,
     pub mutations: Mutations,
+    /// Faults may hit every replica and worker, not only replica 0 and worker 0 (larger).
+    pub everywhere: bool,
     keys: Keys,
 }
 
@@ -109,6 +111,7 @@ impl BatonModel {
             faults: Vec::new(),
             budget: 0,
             mutations: Mutations::default(),
+            everywhere: false,
             keys: Keys::new("m"),
         }
     }
@@ -116,6 +119,12 @@ impl BatonModel {
     pub fn with_faults(mut self, faults: &[FaultKind], budget: u8) -> BatonModel {
         self.faults = faults.to_vec();
         self.budget = budget;
+        self
+    }
+
+    /// Faults may hit any replica or worker.
+    pub fn everywhere(mut self) -> BatonModel {
+        self.everywhere = true;
         self
     }
 
@@ -788,7 +797,17 @@ impl Model for BatonModel {
             // Replicas and workers start alike, and every run explores each of them leading
             // or running the job: faults of replica 0 and worker 0 cover the others.
             for &kind in &self.faults {
-                out.push(Action::Fault(kind, 0));
+                let n = match (self.everywhere, kind) {
+                    (false, _) => 1,
+                    (
+                        true,
+                        FaultKind::ReplicaCrash | FaultKind::ReplicaPause | FaultKind::ReplicaCut,
+                    ) => self.replicas,
+                    (true, _) => self.workers,
+                };
+                for who in 0..n {
+                    out.push(Action::Fault(kind, who));
+                }
             }
         }
         for (i, r) in s.replicas.iter().enumerate() {

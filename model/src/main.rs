@@ -1,8 +1,9 @@
 //! `make modelcheck`: the protocol model with more faults than `make test` affords.
 //!
-//! `modelcheck [FAULTS] [THREADS] [SECONDS]`: with SECONDS, a random simulation for that long
-//! (deep runs, not every state); without, an exhaustive breadth-first search (it may take very
-//! long: two faults of any kinds were not exhausted within 5 minutes on 2 cores).
+//! `modelcheck [FAULTS] [THREADS] [SECONDS] [JOBS]`: with SECONDS (0: none), a random simulation
+//! for that long (deep runs, not every state); without, an exhaustive breadth-first search (it
+//! may take very long: two faults of any kinds were not exhausted within 5 minutes on 2 cores).
+//! Faults may hit every replica and worker here; JOBS (default 1) jobs are submitted.
 
 use baton_model::{BatonModel, ALL_FAULTS};
 use stateright::{Checker, Model, UniformChooser};
@@ -12,9 +13,12 @@ fn main() {
     let faults: u8 = args.next().and_then(|a| a.parse().ok()).unwrap_or(2);
     // stateright's timeout does not stop a single-threaded run.
     let threads: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(2).max(2);
-    let seconds: Option<u64> = args.next().and_then(|a| a.parse().ok());
+    let seconds: Option<u64> = args.next().and_then(|a| a.parse().ok()).filter(|s| *s > 0);
+    let jobs: u8 = args.next().and_then(|a| a.parse().ok()).unwrap_or(1);
     let started = std::time::Instant::now();
-    let model = BatonModel::new(2, 2, 1).with_faults(&ALL_FAULTS, faults);
+    let model = BatonModel::new(2, 2, jobs)
+        .with_faults(&ALL_FAULTS, faults)
+        .everywhere();
     let builder = model.checker().threads(threads);
     match seconds {
         Some(s) => {
