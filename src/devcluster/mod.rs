@@ -31,16 +31,23 @@ pub fn workdir(
 /// before: the kernel may give a port it just released to the next bind, which once gave two
 /// replicas of one cluster the same port.
 pub fn free_port() -> u16 {
+    bind_loopback()
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("binding a loopback port")
+}
+
+/// A listener on a loopback port this process has never handed out (by [`free_port`] or
+/// here), so a proxy cannot take a port a child process was told to bind and has not bound yet.
+pub fn bind_loopback() -> std::io::Result<std::net::TcpListener> {
     static HANDED: std::sync::Mutex<Option<std::collections::HashSet<u16>>> =
         std::sync::Mutex::new(None);
     loop {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("binding a loopback port");
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let port = l.local_addr()?.port();
         let mut handed = HANDED.lock().unwrap_or_else(|e| e.into_inner());
         if handed.get_or_insert_with(Default::default).insert(port) {
-            return port;
+            return Ok(l);
         }
     }
 }

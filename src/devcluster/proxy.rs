@@ -30,7 +30,7 @@ pub struct FaultProxy {
 impl FaultProxy {
     /// Listens on a free loopback port and forwards to `target`.
     pub fn start(target: SocketAddr) -> std::io::Result<FaultProxy> {
-        let std_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let std_listener = super::bind_loopback()?;
         std_listener.set_nonblocking(true)?;
         let addr = std_listener.local_addr()?;
         let (mode, mode_rx) = watch::channel(Mode::Pass);

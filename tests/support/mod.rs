@@ -373,6 +373,23 @@ impl Drop for Cluster {
             // Keep the logs of a failed test for a human to read.
             let kept = self.dir.path().to_path_buf();
             eprintln!("test failed; logs kept in {}", kept.display());
+            // CI keeps only what the test printed: each process's state and its last warnings.
+            for p in self.replicas.iter_mut().chain(self.workers.iter_mut()) {
+                let log = std::fs::read_to_string(p.log_path()).unwrap_or_default();
+                let notable: Vec<&str> = log
+                    .lines()
+                    .filter(|l| {
+                        l.contains("\"WARN\"") || l.contains("\"ERROR\"") || !l.starts_with('{')
+                    })
+                    .collect();
+                let exit = p
+                    .try_exit()
+                    .map_or("running".to_string(), |s| s.to_string());
+                eprintln!("{} ({}, pid {}): {exit}", p.id(), p.listen(), p.pid());
+                for l in &notable[notable.len().saturating_sub(8)..] {
+                    eprintln!("  {}", l.chars().take(400).collect::<String>());
+                }
+            }
             let _ = std::mem::replace(
                 &mut self.dir,
                 tempfile::Builder::new()
