@@ -45,6 +45,8 @@ test: lint pydeps
 	$(CARGO) test -- --test-threads=$(TEST_THREADS)
 	# The protocol model (model/): no faults, one fault of each kind, the mutation controls;
 	# optimised, as the state space is large.
+	# Its replay test runs a drill with the release binary and replays its history.
+	BATON_TEST_RELEASE_BIN=$(abspath $(TARGET_DIR)/release/baton) \
 	$(CARGO) test --release -p baton-model -- --test-threads=$(TEST_THREADS)
 
 # `make modelcheck`: the protocol model with two faults of any kinds (MODEL_FAULTS) hitting any

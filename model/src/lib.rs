@@ -21,12 +21,12 @@
 //! - **Faults** come from a budget: replica and worker crash, pause and cut from etcd; a worker's
 //!   key deleted with its lease alive; a worker's lease revoked early.
 //!
-//! Bounds kept small on purpose (see the README): revisions are not renamed to ranks (every
-//! loop that writes is bounded instead: one take-back per job, restarts only after faults).
+//! - **Revisions** are renamed to ranks after each step ([`ranks`]), so runs that differ only
+//!   in how many revisions etcd counted meet in one state.
 
 use std::collections::BTreeMap;
 
-use baton::coordinator::protocol::{self, Decision, Ending, Job, Outcome, Requeue, Seen, Target};
+use baton::coordinator::protocol::{self, Decision, Ending, Job, Outcome, Seen, Target};
 use baton::jobs::spec::{JobRecord, JobSpec, JOB_RECORD_VERSION};
 use baton::jobs::work::{
     AttemptRecord, AttemptState, WorkerRecord, ATTEMPT_VERSION, WORKER_VERSION,
@@ -36,6 +36,10 @@ use baton::store::mem::MemEtcd;
 use baton::store::{codec, Cond, Effect, Keys, Write};
 use baton::worker::writes;
 use stateright::{Model, Property};
+
+pub mod invariants;
+mod ranks;
+pub mod replay;
 
 /// Lease TTL and margin, in ticks.
 pub const TTL: u8 = 3;
@@ -246,8 +250,6 @@ pub struct State {
     pub replicas: Vec<Replica>,
     pub workers: Vec<Worker>,
     pub faults_left: u8,
-    /// Take-backs of an unstarted assignment left per job (bounds a loop that writes).
-    pub takebacks: Vec<u8>,
     /// Results written per job.
     pub results: Vec<u8>,
     /// An invariant broken at a step (kept: every later state shows it).
@@ -408,7 +410,6 @@ impl BatonModel {
             replicas: vec![Replica::default(); self.replicas as usize],
             workers: vec![Worker::default(); self.workers as usize],
             faults_left: self.budget,
-            takebacks: vec![1; self.jobs as usize],
             results: vec![0; self.jobs as usize],
             broken: None,
         };
@@ -457,7 +458,7 @@ impl BatonModel {
                 .get(self.keys.worker(&wid).as_bytes())
                 .is_some_and(|kv| kv.create == entry.worker_rev);
             let seen = if alive {
-                let taking = pick == Pick::TakeBack && s.takebacks[j as usize] > 0;
+                let taking = pick == Pick::TakeBack;
                 Seen::Alive { timed_out: taking }
             } else {
                 // Seen gone now, unless this term already follows it.
@@ -536,25 +537,20 @@ impl BatonModel {
                     send(s, write, Vec::new())
                 }
             },
-            Decision::Requeue(why, _) => {
-                if why == Requeue::Unstarted && pick == Pick::TakeBack {
-                    s.takebacks[j as usize] = s.takebacks[j as usize].saturating_sub(1);
+            Decision::Requeue(why, _) => match job.requeue(why, term, MAX_RECOVERIES) {
+                Ok(write) => send(s, write, Vec::new()),
+                Err(gave_up) => {
+                    let (entry, msg) = *gave_up;
+                    let failed = Outcome {
+                        status: TerminalStatus::Failed,
+                        exit_code: None,
+                        signal: None,
+                        error: Some(msg),
+                    };
+                    let write = job.terminal(&entry, &failed, term, 0);
+                    send(s, write, vec![j])
                 }
-                match job.requeue(why, term, MAX_RECOVERIES) {
-                    Ok(write) => send(s, write, Vec::new()),
-                    Err(gave_up) => {
-                        let (entry, msg) = *gave_up;
-                        let failed = Outcome {
-                            status: TerminalStatus::Failed,
-                            exit_code: None,
-                            signal: None,
-                            error: Some(msg),
-                        };
-                        let write = job.terminal(&entry, &failed, term, 0);
-                        send(s, write, vec![j])
-                    }
-                }
-            }
+            },
             Decision::Cancel(why) => {
                 let write = job.terminal(&job.entry.clone(), &Outcome::canceled(why), term, 0);
                 send(s, write, vec![j])
@@ -823,6 +819,19 @@ impl Model for BatonModel {
     }
 
     fn next_state(&self, last: &State, action: Action) -> Option<State> {
+        let mut s = self.step(last, action)?;
+        ranks::rename(&self.keys, &mut s);
+        Some(s)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        properties()
+    }
+}
+
+impl BatonModel {
+    /// The state after `action`, with revisions as etcd would count them.
+    fn step(&self, last: &State, action: Action) -> Option<State> {
         let mut s = last.clone();
         let changed = match action {
             Action::Tick => {
@@ -1042,75 +1051,44 @@ impl Model for BatonModel {
         };
         changed.then_some(s)
     }
-
-    fn properties(&self) -> Vec<Property<Self>> {
-        vec![
-            Property::always("no invariant broken at a step", |_, s: &State| {
-                s.broken.is_none()
-            }),
-            Property::always("one acting leader", |m: &BatonModel, s: &State| {
-                let key = s.etcd.get(m.election().as_bytes());
-                let acting: Vec<&Lead> = s
-                    .replicas
-                    .iter()
-                    .filter(|r| r.host.runs())
-                    .filter_map(|r| r.lead.as_ref())
-                    .filter(|l| l.proof > MARGIN)
-                    .collect();
-                acting.len() <= 1
-                    && acting
-                        .iter()
-                        .all(|l| key.is_some_and(|kv| kv.create == l.fence))
-            }),
-            Property::always(
-                "at most one execution of a job runs",
-                |m: &BatonModel, s: &State| (0..m.jobs).all(|j| s.running(j) <= 1),
-            ),
-            Property::always("at most one result per job", |_, s: &State| {
-                s.results.iter().all(|n| *n <= 1)
-            }),
-            Property::always(
-                "registry and assignment agree",
-                |m: &BatonModel, s: &State| registry_agrees(m, s),
-            ),
-            Property::sometimes("every job gets a result", |m: &BatonModel, s: &State| {
-                (0..m.jobs).all(|j| s.has_result(m, j))
-            }),
-        ]
-    }
 }
 
-/// Every assignment has its RUNNING entry (on that worker incarnation, at that revision),
-/// and every RUNNING entry its assignment.
-fn registry_agrees(m: &BatonModel, s: &State) -> bool {
-    (0..m.jobs).all(|j| {
-        let id = BatonModel::job_id(j);
-        let k = m.keys.job(&id);
-        let entry = s.etcd.get(k.registry.as_bytes()).and_then(|kv| {
-            let e: RegistryEntry = serde_json::from_slice(&kv.value).ok()?;
-            Some((e, kv.modified))
-        });
-        let assignments: Vec<(String, i64)> = (0..m.workers)
-            .flat_map(|w| {
-                let wid = BatonModel::worker_id(w);
-                let prefix = format!("{}{wid}/", m.keys.assignments());
-                s.etcd
-                    .prefix(prefix.as_bytes())
-                    .filter(|(key, _)| key.ends_with(format!("/{id}").as_bytes()))
-                    .map(|(key, kv)| (String::from_utf8_lossy(key).into_owned(), kv.modified))
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        match entry {
-            Some((e, rev)) if e.worker.is_some() => {
-                let want = m
-                    .keys
-                    .assignment(e.worker.as_deref().unwrap_or(""), e.worker_rev, &id);
-                assignments == vec![(want, rev)]
-            }
-            _ => assignments.is_empty(),
-        }
-    })
+fn properties() -> Vec<Property<BatonModel>> {
+    vec![
+        Property::always("no invariant broken at a step", |_, s: &State| {
+            s.broken.is_none()
+        }),
+        Property::always("one acting leader", |m: &BatonModel, s: &State| {
+            let key = s.etcd.get(m.election().as_bytes());
+            let acting: Vec<&Lead> = s
+                .replicas
+                .iter()
+                .filter(|r| r.host.runs())
+                .filter_map(|r| r.lead.as_ref())
+                .filter(|l| l.proof > MARGIN)
+                .collect();
+            acting.len() <= 1
+                && acting
+                    .iter()
+                    .all(|l| key.is_some_and(|kv| kv.create == l.fence))
+        }),
+        Property::always(
+            "at most one execution of a job runs",
+            |m: &BatonModel, s: &State| (0..m.jobs).all(|j| s.running(j) <= 1),
+        ),
+        Property::always("at most one result per job", |_, s: &State| {
+            s.results.iter().all(|n| *n <= 1)
+        }),
+        Property::always(
+            "registry and assignment agree",
+            |m: &BatonModel, s: &State| {
+                invariants::registry_disagreement(&m.keys, &s.etcd).is_none()
+            },
+        ),
+        Property::sometimes("every job gets a result", |m: &BatonModel, s: &State| {
+            (0..m.jobs).all(|j| s.has_result(m, j))
+        }),
+    ]
 }
 
 /// Every state reachable from the initial one, and whether each can still reach "every job

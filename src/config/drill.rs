@@ -71,6 +71,11 @@ pub struct DrillArgs {
     /// (the orchestrator restarting the victim) before the next fault.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "60s")]
     pub recovery_wait: Duration,
+    /// Write the drill's history here: every etcd revision and every execution's start and end,
+    /// placed among them (JSON lines), for `modelcheck replay` to check against the protocol
+    /// model. Local drills only.
+    #[arg(long, env = "BATON_DRILL_HISTORY")]
+    pub history: Option<PathBuf>,
     /// Run guards that ignore lease deadlines: the drill must then report overlapping executions.
     #[arg(long, hide = true)]
     pub negative_control: bool,

@@ -7,6 +7,7 @@
 
 mod check;
 mod control;
+pub mod history;
 mod remote;
 mod report;
 mod workload;
@@ -247,6 +248,10 @@ impl Lab {
 pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
     let seed = args.seed.unwrap_or_else(|| BootInstant::now().as_nanos());
     if !args.endpoints.is_empty() {
+        anyhow::ensure!(
+            args.history.is_none(),
+            "--history needs a local drill: the execution ledger of an existing cluster is on its hosts"
+        );
         eprintln!(
             "drill: seed {seed}, existing cluster {:?} at {}",
             args.cluster,
@@ -289,6 +294,10 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
         .await
         .context("no leader at the start")?;
     let members = args.etcd_members.max(1);
+    let sampler = match &args.history {
+        Some(_) => Some(history::Sampler::start(&lab.etcd.endpoints()).await?),
+        None => None,
+    };
 
     let workload = workload::start(lab.client(), &args, seed, control.stop_token());
     let progress = control.progress(lab.target(), &workload);
@@ -326,6 +335,11 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
     let drained = control.drain(&target, DRAIN_BOUND).await;
     drop(progress);
     let verdicts = check::verify(&target, &submitted, &rounds, drained).await?;
+    if let (Some(path), Some(sampler), Some(ledger)) = (&args.history, sampler, &target.ledger) {
+        let prefix = format!("/baton/{}/", target.cluster);
+        let n = history::write(&target.etcd, &prefix, &sampler.stop(), ledger, path).await?;
+        eprintln!("drill: history of {n} steps in {}", path.display());
+    }
     let mut report = Report::new(
         seed,
         rounds,
