@@ -36,6 +36,10 @@ use baton::store::mem::MemEtcd;
 use baton::store::{codec, Cond, Effect, Keys, Write};
 use baton::worker::writes;
 use stateright::{Model, Property};
+use std::time::Duration;
+
+use baton::clock::BootInstant;
+use baton::election as lease;
 
 pub mod invariants;
 mod ranks;
@@ -88,6 +92,8 @@ pub struct Mutations {
     /// A gone worker's lease is not revoked before the wait, and a worker's renewals do not
     /// check its own key (both close the gap of issue 27).
     pub no_revoke: bool,
+    /// A keepalive's proof counts from its answer's arrival, not from when it was sent.
+    pub proof_from_answer: bool,
 }
 
 /// The model's bounds.
@@ -173,6 +179,8 @@ pub struct Lead {
     pub lease: i64,
     /// Ticks its lease is proven for.
     pub proof: u8,
+    /// A keepalive sent and not answered yet: ticks since it was sent.
+    pub renewal: Option<u8>,
 }
 
 /// A leader write sent and not yet applied: its compares, effects and fence.
@@ -212,6 +220,8 @@ pub struct Inc {
     pub rev: i64,
     pub lease: i64,
     pub proof: u8,
+    /// A keepalive sent and not answered yet: ticks since it was sent.
+    pub renewal: Option<u8>,
 }
 
 /// A lease guard and the job under it.
@@ -271,12 +281,17 @@ pub enum Pick {
 pub enum Action {
     Tick,
     Campaign(u8),
+    /// A keepalive sent (etcd restarts the lease's countdown on receipt).
     KeepAlive(u8),
+    /// Its answer arrives: the proof is renewed.
+    Answer(u8),
     StepDown(u8),
     Act(u8, u8, Pick),
     Land(u8),
     Register(u8),
     WorkerKeepAlive(u8),
+    /// Its answer arrives, with the worker's own key read back after it was sent.
+    WorkerAnswer(u8),
     /// The worker's watch delivers its own key's state.
     WatchSelf(u8),
     /// The worker's lease can no longer be proven beyond the margin: the incarnation is over.
@@ -293,6 +308,32 @@ pub enum Action {
     Report(u8, u8),
     Fault(FaultKind, u8),
     Recover(u8, bool),
+}
+
+/// A keepalive must be sent before time passes: renewals go out on a fixed schedule, the tick
+/// before the margin, one at a time.
+fn due(proof: u8, renewal: Option<u8>, host: &Host) -> bool {
+    proof == MARGIN + 1 && renewal.is_none() && !host.cut
+}
+
+/// A keepalive is due, or its answer is on its way to a host that can hear it: both happen
+/// before time passes, unless a fault (a pause, a cut) holds them up. (A late answer on a
+/// healthy host would be a free fault: its leader steps down and a new lease is granted, without
+/// bound.)
+fn pending(proof: u8, renewal: Option<u8>, host: &Host) -> bool {
+    due(proof, renewal, host) || (renewal.is_some() && !host.cut)
+}
+
+/// Ticks a keepalive answered now proves, sent `elapsed` ticks ago: the code's own rule
+/// ([`lease::proof`]), on a boot clock whose seconds are ticks.
+fn proven(elapsed: u8, from_answer: bool) -> u8 {
+    let now = BootInstant::from_nanos(1_000 * 1_000_000_000);
+    let sent = if from_answer {
+        now
+    } else {
+        now - Duration::from_secs(u64::from(elapsed))
+    };
+    lease::proof(sent, i64::from(TTL)).map_or(0, |p| now.until(p.valid_until).as_secs() as u8)
 }
 
 fn ms(ticks: u8) -> u64 {
@@ -343,13 +384,13 @@ impl State {
             r.host.runs()
                 && r.lead
                     .as_ref()
-                    .is_some_and(|l| l.proof <= MARGIN || (l.proof == MARGIN + 1 && !r.host.cut))
+                    .is_some_and(|l| l.proof <= MARGIN || pending(l.proof, l.renewal, &r.host))
         });
         let worker = self.workers.iter().any(|w| {
             w.host.runs()
                 && w.inc
                     .as_ref()
-                    .is_some_and(|i| i.proof <= MARGIN || (i.proof == MARGIN + 1 && !w.host.cut))
+                    .is_some_and(|i| i.proof <= MARGIN || pending(i.proof, i.renewal, &w.host))
         });
         let guard = self
             .workers
@@ -725,11 +766,19 @@ impl Model for BatonModel {
             match &r.lead {
                 None if !election && !r.host.cut => out.push(Action::Campaign(i)),
                 None => {}
+                // An answer may still arrive before the step-down (which one the keeper sees
+                // first is a race): late, it proves less.
+                Some(l) if l.renewal.is_some() && !r.host.cut && l.proof <= MARGIN => {
+                    out.push(Action::Answer(i));
+                    out.push(Action::StepDown(i));
+                }
                 Some(l) if l.proof <= MARGIN => out.push(Action::StepDown(i)),
                 Some(l) => {
-                    // Renewals go out on a fixed schedule: the tick before the margin.
-                    if !r.host.cut && l.proof == MARGIN + 1 {
+                    if due(l.proof, l.renewal, &r.host) {
                         out.push(Action::KeepAlive(i));
+                    }
+                    if l.renewal.is_some() && !r.host.cut {
+                        out.push(Action::Answer(i));
                     }
                     if !r.host.cut && r.outbox.is_none() {
                         for j in 0..self.jobs {
@@ -770,6 +819,10 @@ impl Model for BatonModel {
                 }
             }
             if w.inc.as_ref().is_some_and(|inc| inc.proof <= MARGIN) {
+                // As for a leader: a late answer races the give-up.
+                if w.inc.as_ref().is_some_and(|inc| inc.renewal.is_some()) && !w.host.cut {
+                    out.push(Action::WorkerAnswer(i));
+                }
                 out.push(Action::WorkerLost(i));
                 continue;
             }
@@ -779,8 +832,11 @@ impl Model for BatonModel {
             match &w.inc {
                 None => out.push(Action::Register(i)),
                 Some(inc) => {
-                    if inc.proof == MARGIN + 1 {
+                    if due(inc.proof, inc.renewal, &w.host) {
                         out.push(Action::WorkerKeepAlive(i));
+                    }
+                    if inc.renewal.is_some() {
+                        out.push(Action::WorkerAnswer(i));
                     }
                     out.push(Action::WatchSelf(i));
                     for j in 0..self.jobs {
@@ -850,6 +906,7 @@ impl BatonModel {
                 for r in &mut s.replicas {
                     if let Some(l) = &mut r.lead {
                         l.proof = l.proof.saturating_sub(1);
+                        l.renewal = l.renewal.map(|e| e.saturating_add(1).min(TTL));
                     }
                     for g in r.gone.values_mut() {
                         g.wait = g.wait.saturating_sub(1);
@@ -858,6 +915,7 @@ impl BatonModel {
                 for w in &mut s.workers {
                     if let Some(inc) = &mut w.inc {
                         inc.proof = inc.proof.saturating_sub(1);
+                        inc.renewal = inc.renewal.map(|e| e.saturating_add(1).min(TTL));
                     }
                     for g in &mut w.guards {
                         g.deadline = g.deadline.saturating_sub(1);
@@ -882,6 +940,7 @@ impl BatonModel {
                     fence,
                     lease,
                     proof: TTL,
+                    renewal: None,
                 });
                 rep.gone.clear();
                 true
@@ -896,7 +955,15 @@ impl BatonModel {
                     return Some(s);
                 }
                 s.countdown.insert(lease, TTL);
-                s.replicas[r as usize].lead.as_mut()?.proof = TTL;
+                s.replicas[r as usize].lead.as_mut()?.renewal = Some(0);
+                true
+            }
+            Action::Answer(r) => {
+                let l = s.replicas[r as usize].lead.as_mut()?;
+                let elapsed = l.renewal.take()?;
+                l.proof = l
+                    .proof
+                    .max(proven(elapsed, self.mutations.proof_from_answer));
                 true
             }
             Action::StepDown(r) => {
@@ -951,11 +1018,23 @@ impl BatonModel {
                     rev,
                     lease,
                     proof: TTL,
+                    renewal: None,
                 });
                 true
             }
             Action::WorkerKeepAlive(w) => {
                 let inc = s.workers[w as usize].inc.clone()?;
+                if !s.lease_alive(inc.lease) {
+                    s.lose(w as usize);
+                    return Some(s);
+                }
+                s.countdown.insert(inc.lease, TTL);
+                s.workers[w as usize].inc.as_mut()?.renewal = Some(0);
+                true
+            }
+            Action::WorkerAnswer(w) => {
+                let inc = s.workers[w as usize].inc.clone()?;
+                let elapsed = inc.renewal?;
                 let key = self.keys.worker(&Self::worker_id(w));
                 let held = s
                     .etcd
@@ -966,13 +1045,16 @@ impl BatonModel {
                     s.lose(w as usize);
                     return Some(s);
                 }
-                let lease = inc.lease;
-                s.countdown.insert(lease, TTL);
+                let proof = inc
+                    .proof
+                    .max(proven(elapsed, self.mutations.proof_from_answer));
                 let wk = &mut s.workers[w as usize];
-                wk.inc.as_mut()?.proof = TTL;
+                let i = wk.inc.as_mut()?;
+                i.proof = proof;
+                i.renewal = None;
                 for g in &mut wk.guards {
                     if g.go && g.running {
-                        g.deadline = TTL;
+                        g.deadline = proof;
                     }
                 }
                 true
@@ -1072,6 +1154,24 @@ fn properties() -> Vec<Property<BatonModel>> {
                     .iter()
                     .all(|l| key.is_some_and(|kv| kv.create == l.fence))
         }),
+        Property::always(
+            "proofs never exceed etcd's own countdown",
+            |_, s: &State| {
+                let leaders = s
+                    .replicas
+                    .iter()
+                    .filter_map(|r| r.lead.as_ref())
+                    .all(|l| l.proof <= s.countdown.get(&l.lease).copied().unwrap_or(0));
+                // A worker's lease may be revoked under it (a fault, or a leader that saw its
+                // key go): that is what its guards' margin and key check are for.
+                let workers = s.workers.iter().filter_map(|w| w.inc.as_ref()).all(|i| {
+                    s.countdown
+                        .get(&i.lease)
+                        .is_none_or(|left| i.proof <= *left)
+                });
+                leaders && workers
+            },
+        ),
         Property::always(
             "at most one execution of a job runs",
             |m: &BatonModel, s: &State| (0..m.jobs).all(|j| s.running(j) <= 1),

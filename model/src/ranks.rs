@@ -8,8 +8,10 @@
 //! revisions; key names (`assignments/<worker>/<incarnation>/...`, `attempts/<job>/<token>`);
 //! stored values (`term`, `worker_rev`, `stage_term`, `token`); writes in flight (their
 //! compares, keys, values and fence); and what processes remember (terms, incarnations,
-//! tokens, `started` revisions, gone incarnations). Key versions, which nothing in the protocol
-//! reads, are set to 1 for the same reason.
+//! tokens, `started` revisions, gone incarnations). Key versions are set to 1 for the same
+//! reason: no step the model takes reads them (the cleaner's "a new dirty result" check does,
+//! and cleanup is not modelled yet). Lease ids are not renamed: leases are granted only at
+//! start and after faults, so they stay bounded.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -180,6 +182,7 @@ mod tests {
                 rev: 12,
                 lease: 5,
                 proof: 2,
+                renewal: None,
             }),
             guards: vec![Guard {
                 job: 0,

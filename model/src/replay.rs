@@ -66,8 +66,8 @@ struct Replay {
     line: usize,
     /// Revision at which each job's first result was recorded.
     result_rev: BTreeMap<String, i64>,
-    /// `started` records by job: (revision, worker).
-    started: BTreeMap<String, Vec<(i64, String)>>,
+    /// `started` records by job and token: (revision, worker).
+    started: BTreeMap<(String, i64), (i64, String)>,
     /// Executions of jobs (not cleanup steps), by (job, name, worker, pid).
     executions: BTreeMap<(String, String, String, i32), Execution>,
     /// Starts, to check against the `started` records once every revision is known.
@@ -120,10 +120,11 @@ pub fn replay(text: &str) -> Result<(Summary, Vec<Finding>), String> {
     }
     for (line, e, before_rev) in std::mem::take(&mut r.starts) {
         let worker = e.worker.clone().unwrap_or_default();
-        let recorded = r.started.get(&e.job_id).is_some_and(|v| {
-            v.iter()
-                .any(|(rev, w)| *rev <= before_rev && (worker.is_empty() || *w == worker))
-        });
+        // The guard's term is its attempt's token: `attempts/<job>/<token>`.
+        let recorded = r
+            .started
+            .get(&(e.job_id.clone(), e.term))
+            .is_some_and(|(rev, w)| *rev <= before_rev && (worker.is_empty() || *w == worker));
         if !recorded {
             r.line = line;
             r.find(format!(
@@ -249,6 +250,15 @@ impl Replay {
                     running.join(", ")
                 ));
             }
+        } else if let Some(job) = Self::id_under(key, &keys.jobs()) {
+            // A job id used again after its clean result expired is a new job. (A first
+            // submission clears nothing: a local step placed before it by a sparse sample
+            // window may already have been replayed.)
+            if self.etcd.get(key.as_bytes()).is_none() && self.result_rev.remove(&job).is_some() {
+                self.started.retain(|(j, _), _| *j != job);
+                self.executions
+                    .retain(|(j, ..), x| *j != job || x.end_t.is_none());
+            }
         } else if let Some(job) = Self::id_under(key, &keys.dirty()) {
             if self.etcd.get(key.as_bytes()).is_some() {
                 return;
@@ -284,12 +294,8 @@ impl Replay {
                     "revision {rev}: a registry entry that does not decode: {key}"
                 ));
             };
-            let before = self
-                .etcd
-                .get(key.as_bytes())
-                .and_then(|kv| serde_json::from_slice::<RegistryEntry>(&kv.value).ok())
-                .map_or(0, |e| e.term);
-            if entry.term != 0 && entry.term != before {
+            // Every leader write of an entry stamps its own term (a submission writes 0).
+            if entry.term != 0 {
                 fenced(self, entry.term, &format!("the registry entry of {job}"));
             }
         } else if let Some(rest) = Self::id_under(key, &keys.attempts()) {
@@ -324,9 +330,8 @@ impl Replay {
                 ));
             }
             self.started
-                .entry(job.to_string())
-                .or_default()
-                .push((rev, rec.worker.clone()));
+                .entry((job.to_string(), token))
+                .or_insert((rev, rec.worker.clone()));
         }
     }
 

@@ -103,6 +103,13 @@ impl Sampler {
     }
 }
 
+impl Drop for Sampler {
+    /// A drill that fails early stops sampling too.
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// Where a local step at `t` sits among the revisions: `(after_rev, before_rev)`.
 pub fn place(samples: &[Sample], t: u64) -> (i64, i64) {
     let after = samples

@@ -290,7 +290,10 @@ pub async fn prove_once(
     }
 }
 
-fn proof(sent: BootInstant, ttl_secs: i64) -> Option<Proof> {
+/// The one rule for a proven deadline: counted from when the answered keepalive was **sent**
+/// (etcd restarted its countdown after that), never from the answer's arrival; `None` when etcd
+/// said the lease is gone (TTL 0). The protocol model calls it for its keepalives.
+pub fn proof(sent: BootInstant, ttl_secs: i64) -> Option<Proof> {
     (ttl_secs > 0).then(|| Proof {
         sent,
         valid_until: sent + Duration::from_secs(ttl_secs as u64),

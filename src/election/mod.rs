@@ -14,7 +14,7 @@ mod lease;
 mod observer;
 mod term;
 
-pub use lease::{prove_once, Lease, Proof, Watchdog};
+pub use lease::{proof, prove_once, Lease, Proof, Watchdog};
 pub use observer::observe;
 pub use term::{Commit, FenceError, Term};
 
