@@ -67,6 +67,47 @@ fn findings(steps: &[Step]) -> String {
     f.iter().map(|f| f.what.clone() + "\n").collect()
 }
 
+/// The first put (from the end with `rev`) whose key `matches`: its key and value.
+fn find_put(steps: &[Step], rev: bool, matches: impl Fn(&str) -> bool) -> (String, String) {
+    let found = |s: &Step| match s {
+        Step::Etcd { events, .. } => events.iter().find_map(|e| match e {
+            Event::Put { key, value, .. } if matches(key) => Some((key.clone(), value.clone())),
+            _ => None,
+        }),
+        _ => None,
+    };
+    if rev {
+        steps.iter().rev().find_map(found)
+    } else {
+        steps.iter().find_map(found)
+    }
+    .expect("a put to tamper with")
+}
+
+/// Appends a revision after the last that puts `value` at `key` (created there).
+fn append_put(steps: &mut Vec<Step>, key: String, value: String) -> i64 {
+    let last = steps
+        .iter()
+        .rev()
+        .find_map(|s| match s {
+            Step::Etcd { rev, .. } => Some(*rev),
+            _ => None,
+        })
+        .unwrap();
+    steps.push(Step::Etcd {
+        rev: last + 1,
+        events: vec![Event::Put {
+            key,
+            value,
+            create: last + 1,
+            modified: last + 1,
+            version: 1,
+            lease: 0,
+        }],
+    });
+    last + 1
+}
+
 #[test]
 fn a_drill_history_replays_with_every_step_enabled_and_every_invariant_held() {
     let (summary, found) = check(history());
@@ -133,54 +174,14 @@ fn an_assignment_in_a_stale_term_is_not_enabled() {
 #[test]
 fn a_job_assigned_again_after_its_result_is_not_enabled() {
     let mut steps = history().to_vec();
-    // The last revision again, as one more: an assignment of a job that has its result.
-    let last = steps
-        .iter()
-        .rev()
-        .find_map(|s| match s {
-            Step::Etcd { rev, .. } => Some(*rev),
-            _ => None,
-        })
-        .unwrap();
-    let assignment = steps
-        .iter()
-        .find_map(|s| match s {
-            Step::Etcd { events, .. } => events.iter().find_map(|e| match e {
-                Event::Put { key, value, .. } if key.contains("/assignments/") => {
-                    Some((key.clone(), value.clone()))
-                }
-                _ => None,
-            }),
-            _ => None,
-        })
-        .unwrap();
-    // Under the term that leads at the end, so only the result store forbids it.
-    let term = steps
-        .iter()
-        .rev()
-        .find_map(|s| match s {
-            Step::Etcd { events, .. } => events.iter().find_map(|e| match e {
-                Event::Put { key, value, .. } if key.contains("/results/") => {
-                    serde_json::from_str::<serde_json::Value>(value).ok()?["term"].as_i64()
-                }
-                _ => None,
-            }),
-            _ => None,
-        })
-        .unwrap();
-    let mut v: serde_json::Value = serde_json::from_str(&assignment.1).unwrap();
-    v["term"] = term.into();
-    steps.push(Step::Etcd {
-        rev: last + 1,
-        events: vec![Event::Put {
-            key: assignment.0,
-            value: v.to_string(),
-            create: last + 1,
-            modified: last + 1,
-            version: 1,
-            lease: 0,
-        }],
-    });
+    // An assignment of a job that has its result, under the term that leads at the end, so
+    // only the result store forbids it.
+    let (key, value) = find_put(&steps, false, |k| k.contains("/assignments/"));
+    let (_, result) = find_put(&steps, true, |k| k.contains("/results/"));
+    let term = serde_json::from_str::<serde_json::Value>(&result).unwrap()["term"].clone();
+    let mut v: serde_json::Value = serde_json::from_str(&value).unwrap();
+    v["term"] = term;
+    append_put(&mut steps, key, v.to_string());
     let f = findings(&steps);
     assert!(f.contains("assigned beside its result"), "{f}");
 }
@@ -269,44 +270,16 @@ fn an_assignment_while_an_execution_of_its_job_still_runs_is_not_enabled() {
     let Step::Local { mut entry, .. } = steps.remove(end) else {
         unreachable!()
     };
-    let (key, value) = steps
-        .iter()
-        .find_map(|s| match s {
-            Step::Etcd { events, .. } => events.iter().find_map(|e| match e {
-                Event::Put { key, value, .. }
-                    if key.contains("/assignments/") && key.ends_with(&format!("/{job}")) =>
-                {
-                    Some((key.clone(), value.clone()))
-                }
-                _ => None,
-            }),
-            _ => None,
-        })
-        .unwrap();
-    let last = steps
-        .iter()
-        .rev()
-        .find_map(|s| match s {
-            Step::Etcd { rev, .. } => Some(*rev),
-            _ => None,
-        })
-        .unwrap();
-    steps.push(Step::Etcd {
-        rev: last + 1,
-        events: vec![Event::Put {
-            key,
-            value,
-            create: last + 1,
-            modified: last + 1,
-            version: 1,
-            lease: 0,
-        }],
+    let tail = format!("/{job}");
+    let (key, value) = find_put(&steps, false, |k| {
+        k.contains("/assignments/") && k.ends_with(&tail)
     });
+    let last = append_put(&mut steps, key, value);
     entry.boottime_ns = u64::MAX;
     steps.push(Step::Local {
         entry,
-        after_rev: last + 1,
-        before_rev: last + 1,
+        after_rev: last,
+        before_rev: last,
     });
     let f = findings(&steps);
     assert!(f.contains(&format!("{job} assigned while")), "{f}");
@@ -315,40 +288,9 @@ fn an_assignment_while_an_execution_of_its_job_still_runs_is_not_enabled() {
 #[test]
 fn a_second_result_of_a_job_is_found() {
     let mut steps = history().to_vec();
-    let (last, result) = steps
-        .iter()
-        .rev()
-        .find_map(|s| match s {
-            Step::Etcd { rev, events } => events.iter().find_map(|e| match e {
-                Event::Put { key, value, .. } if key.contains("/results/dirty/") => {
-                    Some((*rev, (key.clone(), value.clone())))
-                }
-                _ => None,
-            }),
-            _ => None,
-        })
-        .unwrap();
-    let end = steps
-        .iter()
-        .rev()
-        .find_map(|s| match s {
-            Step::Etcd { rev, .. } => Some(*rev),
-            _ => None,
-        })
-        .unwrap();
-    assert!(last <= end);
     // The same job's result again, once its first has moved to clean and gone from dirty.
-    steps.push(Step::Etcd {
-        rev: end + 1,
-        events: vec![Event::Put {
-            key: result.0,
-            value: result.1,
-            create: end + 1,
-            modified: end + 1,
-            version: 1,
-            lease: 0,
-        }],
-    });
+    let (key, value) = find_put(&steps, true, |k| k.contains("/results/dirty/"));
+    append_put(&mut steps, key, value);
     let f = findings(&steps);
     assert!(f.contains("a second result of"), "{f}");
 }
