@@ -156,11 +156,6 @@ impl Replay {
             .or_else(|| self.etcd.get(election.as_bytes()).map(|kv| kv.create))
     }
 
-    /// The job a key of `prefix` names (everything after it).
-    fn id_under(key: &str, prefix: &str) -> Option<String> {
-        key.strip_prefix(prefix).map(str::to_string)
-    }
-
     fn etcd_step(&mut self, rev: i64, events: &[Event]) {
         self.summary.revisions += 1;
         self.summary.events += events.len();
@@ -216,7 +211,7 @@ impl Replay {
                 ));
             }
         };
-        if let Some(rest) = Self::id_under(key, &keys.assignments()) {
+        if let Some(rest) = Keys::id_in(&keys.assignments(), key.as_bytes()).map(str::to_string) {
             let Ok(a) = serde_json::from_str::<Assignment>(value) else {
                 return self.find(format!(
                     "revision {rev}: an assignment that does not decode: {key}"
@@ -250,7 +245,7 @@ impl Replay {
                     running.join(", ")
                 ));
             }
-        } else if let Some(job) = Self::id_under(key, &keys.jobs()) {
+        } else if let Some(job) = Keys::id_in(&keys.jobs(), key.as_bytes()).map(str::to_string) {
             // A job id used again after its clean result expired is a new job. (A first
             // submission clears nothing: a local step placed before it by a sparse sample
             // window may already have been replayed.)
@@ -259,7 +254,7 @@ impl Replay {
                 self.executions
                     .retain(|(j, ..), x| *j != job || x.end_t.is_none());
             }
-        } else if let Some(job) = Self::id_under(key, &keys.dirty()) {
+        } else if let Some(job) = Keys::id_in(&keys.dirty(), key.as_bytes()).map(str::to_string) {
             if self.etcd.get(key.as_bytes()).is_some() {
                 return;
             }
@@ -275,7 +270,7 @@ impl Replay {
                 ));
             }
             self.result_rev.entry(job).or_insert(rev);
-        } else if let Some(job) = Self::id_under(key, &keys.clean()) {
+        } else if let Some(job) = Keys::id_in(&keys.clean(), key.as_bytes()).map(str::to_string) {
             // Moved from dirty in one transaction: a clean result without a dirty one is new.
             let dirty = keys.job(&job).dirty;
             if self.etcd.get(dirty.as_bytes()).is_none() && self.etcd.get(key.as_bytes()).is_none()
@@ -288,7 +283,8 @@ impl Replay {
                 }
                 self.result_rev.entry(job).or_insert(rev);
             }
-        } else if let Some(job) = Self::id_under(key, &keys.registry()) {
+        } else if let Some(job) = Keys::id_in(&keys.registry(), key.as_bytes()).map(str::to_string)
+        {
             let Ok(entry) = serde_json::from_str::<RegistryEntry>(value) else {
                 return self.find(format!(
                     "revision {rev}: a registry entry that does not decode: {key}"
@@ -298,7 +294,8 @@ impl Replay {
             if entry.term != 0 {
                 fenced(self, entry.term, &format!("the registry entry of {job}"));
             }
-        } else if let Some(rest) = Self::id_under(key, &keys.attempts()) {
+        } else if let Some(rest) = Keys::id_in(&keys.attempts(), key.as_bytes()).map(str::to_string)
+        {
             let Some((job, token)) = rest.rsplit_once('/') else {
                 return;
             };

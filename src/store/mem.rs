@@ -121,32 +121,6 @@ impl MemEtcd {
         }
         true
     }
-
-    /// Renames every revision to its rank among the revisions in use (1, 2, ...), through
-    /// `map`, which also gets every revision the caller keeps elsewhere: a model's states then
-    /// differ only in the order of events, not in their count. Returns the renaming.
-    pub fn rank(&mut self, outside: &[i64]) -> BTreeMap<i64, i64> {
-        let mut used: Vec<i64> = self
-            .kvs
-            .values()
-            .flat_map(|kv| [kv.create, kv.modified])
-            .chain(outside.iter().copied())
-            .filter(|r| *r > 0)
-            .collect();
-        used.sort_unstable();
-        used.dedup();
-        let map: BTreeMap<i64, i64> = used
-            .iter()
-            .enumerate()
-            .map(|(i, r)| (*r, i as i64 + 1))
-            .collect();
-        for kv in self.kvs.values_mut() {
-            kv.create = map[&kv.create];
-            kv.modified = map[&kv.modified];
-        }
-        self.revision = map.len() as i64;
-        map
-    }
 }
 
 #[cfg(test)]
@@ -193,19 +167,5 @@ mod tests {
             m.apply(&dropped, None),
             "the mutation control took the compare out"
         );
-    }
-
-    #[test]
-    fn ranks_rename_revisions_keeping_their_order() {
-        let mut m = MemEtcd::new();
-        m.apply(&Write::new().put("a", "1"), None);
-        m.apply(&Write::new().put("b", "1"), None);
-        m.apply(&Write::new().delete("a"), None);
-        m.apply(&Write::new().put("c", "1"), None);
-        let map = m.rank(&[2]);
-        assert_eq!(m.get(b"b").unwrap().create, 1);
-        assert_eq!(m.get(b"c").unwrap().create, 2);
-        assert_eq!(m.revision, 2);
-        assert_eq!(map[&4], 2);
     }
 }
