@@ -80,13 +80,16 @@ where
 }
 
 /// Worth trying on the next replica. Every call here is idempotent (submissions carry their id),
-/// so a call cut off mid-flight, which tonic reports as `Unknown: transport error`, is retried.
+/// so a call cut off mid-flight is retried: tonic reports it as `Unknown: transport error`, or,
+/// when the dying server's HTTP/2 stream or connection was reset (a replica killed or stopping),
+/// as `Internal: h2 protocol error: ...`, which Baton's services never answer themselves.
 fn retryable(s: &Status) -> bool {
     match s.code() {
         Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => true,
         Code::Unknown => {
             s.message().contains("transport error") || s.message().contains("connection")
         }
+        Code::Internal => s.message().starts_with("h2 protocol error"),
         _ => false,
     }
 }
@@ -172,5 +175,22 @@ pub async fn leader_resign(args: &ResignArgs) -> anyhow::Result<()> {
             );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod retry_tests {
+    use super::*;
+
+    #[test]
+    fn calls_cut_off_mid_flight_are_retried_and_answers_are_not() {
+        // What a soak drill saw when a replica was stopped under a submission.
+        let reset = Status::internal("h2 protocol error: http2 error (Internal)");
+        assert!(retryable(&reset));
+        assert!(retryable(&Status::unknown("transport error")));
+        assert!(retryable(&Status::unavailable("not the leader")));
+        assert!(!retryable(&Status::internal("a stored value is corrupt")));
+        assert!(!retryable(&Status::invalid_argument("bad spec")));
+        assert!(!retryable(&Status::already_exists("another spec")));
     }
 }
