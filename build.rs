@@ -6,6 +6,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             &[
                 "proto/baton/v1/cluster.proto",
                 "proto/baton/v1/jobs.proto",
+                "proto/baton/v1/schedules.proto",
                 "proto/baton/v1/workers.proto",
             ],
             &["proto"],

@@ -23,6 +23,7 @@ pub mod logging;
 pub mod metrics;
 pub mod retry;
 pub mod rolelog;
+pub mod schedule;
 pub mod security;
 pub mod server;
 pub mod store;

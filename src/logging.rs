@@ -39,7 +39,11 @@ pub fn init(format: LogFormat, filter: &str, role_log: Option<&Path>) -> std::io
                     .with_current_span(false)
                     .with_span_list(false)
                     .with_writer(Mutex::new(file))
-                    .with_filter(Targets::new().with_target(rolelog::TARGET, tracing::Level::INFO)),
+                    .with_filter(
+                        Targets::new()
+                            .with_target(rolelog::TARGET, tracing::Level::INFO)
+                            .with_target(crate::coordinator::SCHEDULE_EVENTS, tracing::Level::INFO),
+                    ),
             )
         }
         None => None,

@@ -2,7 +2,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use baton::config::{Cli, Command, JobCommand, LeaderCommand, WorkerCommand};
+use baton::config::{Cli, Command, JobCommand, LeaderCommand, ScheduleCommand, WorkerCommand};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -48,6 +48,20 @@ fn main() -> ExitCode {
                 JobCommand::Logs(args) => baton::cli::jobs::logs(&args).await,
                 JobCommand::Cleanup(args) => baton::cli::jobs::cleanup(&args).await,
             },
+            Command::Schedule { command } => {
+                use baton::cli::schedules as s;
+                match command {
+                    ScheduleCommand::Create(a) => s::create(&a).await,
+                    ScheduleCommand::Get(a) => s::get(&a).await,
+                    ScheduleCommand::List(a) => s::list(&a).await,
+                    ScheduleCommand::Update(a) => s::update(&a).await,
+                    ScheduleCommand::Pause(a) => s::pause(&a).await,
+                    ScheduleCommand::Resume(a) => s::resume(&a).await,
+                    ScheduleCommand::Delete(a) => s::delete(&a).await,
+                    ScheduleCommand::Trigger(a) => s::trigger(&a).await,
+                    ScheduleCommand::Backfill(a) => s::backfill(&a).await,
+                }
+            }
             Command::Drill(args) => {
                 let code = baton::drill::run(*args).await?;
                 if code != 0 {

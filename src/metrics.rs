@@ -76,6 +76,11 @@ pub struct Metrics {
     etcd_seconds: HistogramVec,
     batch_writes: HistogramVec,
     restarts: IntCounterVec,
+    /// Schedule ticks decided by this replica as leader, by outcome.
+    pub schedule_ticks: IntCounterVec,
+    /// From a tick's scheduled time to its job's creation.
+    pub schedule_lag_seconds: Histogram,
+    pub schedule_clock_skews: IntCounter,
     probes: Mutex<BTreeMap<String, Probe>>,
 }
 
@@ -159,11 +164,35 @@ impl Metrics {
         ] {
             restarts.with_label_values(&[cause.label()]);
         }
+        let schedule_ticks = IntCounterVec::new(
+            Opts::new(
+                "baton_schedule_ticks_total",
+                "Schedule ticks decided by this replica as leader, by outcome (fired, skipped, missed, superseded, paused, conflict, clock-skew).",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        reg(Box::new(schedule_ticks.clone()));
+        let schedule_lag_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "baton_schedule_tick_lag_seconds",
+                "From a tick's scheduled time to the creation of its job.",
+            )
+            .buckets(latency_buckets()),
+        )
+        .expect("valid metric");
+        reg(Box::new(schedule_lag_seconds.clone()));
         let m = Metrics {
             is_leader: gauge("baton_is_leader", "1 while this replica leads, else 0."),
             term: gauge(
                 "baton_term",
                 "The current leader's term (its election key's create revision) as this replica last saw it.",
+            ),
+            schedule_ticks,
+            schedule_lag_seconds,
+            schedule_clock_skews: counter(
+                "baton_schedule_clock_skews_total",
+                "Schedules whose watermark this replica, as a new leader, found over a minute ahead of its clock.",
             ),
             leader_changes: counter(
                 "baton_leader_changes_total",

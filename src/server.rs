@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{self, ClusterApi, FleetApi, JobApi, Services};
+use crate::api::{self, ClusterApi, FleetApi, JobApi, ScheduleApi, Services};
 use crate::config::{ConfigError, ServeArgs};
 use crate::config::{EtcdArgs, RunArgs, WorkerArgs};
 use crate::coordinator::{self, CleanupConfig, CoordinatorConfig};
@@ -50,6 +50,7 @@ pub enum Error {
 
 pub async fn run(args: ServeArgs) -> Result<(), Error> {
     args.validate()?;
+    crate::schedule::clock::set_offset_ms(args.test_clock_offset_ms);
     let security = Security::load(&args.security).map_err(Error::Security)?;
     // Before etcd is reached, so a process stuck waiting for it can be seen.
     let ready = api::Ready::default();
@@ -147,6 +148,14 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
             security.peer.clone(),
         ),
         fleet: FleetApi::new(store.clone(), keys.clone(), replica_id.clone()),
+        schedules: ScheduleApi::new(
+            store.clone(),
+            keys.clone(),
+            replica_id.clone(),
+            crate::schedule::service::Retention {
+                results: args.result_retention,
+            },
+        ),
         cluster: ClusterApi::new(store, keys, replica_id.clone(), role_rx, cmd_tx),
         worker: args
             .worker

@@ -81,6 +81,7 @@ proptest! {
                 spec_hash: s.hash(),
                 submitted_at_ms: 1,
                 submitted_by: Some("alice".into()),
+                schedule: None,
             };
             let back: JobRecord = codec::decode(b"k", &codec::encode(&record), spec::JOB_RECORD_VERSION).unwrap();
             prop_assert_eq!(&back, &record);
@@ -179,6 +180,7 @@ proptest! {
             spec,
             submitted_at_ms: 1,
             submitted_by: None,
+            schedule: None,
         });
         if flip < bytes.len() {
             bytes[flip] = to;

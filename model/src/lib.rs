@@ -436,6 +436,7 @@ impl BatonModel {
                 spec,
                 submitted_at_ms: 1,
                 submitted_by: None,
+                schedule: None,
             };
             let k = self.keys.job(&id);
             let submit = Write::new()

@@ -48,7 +48,7 @@ impl JobApi {
     }
 }
 
-fn state_proto(s: State) -> proto::JobState {
+pub(super) fn state_proto(s: State) -> proto::JobState {
     match s {
         State::Pending => proto::JobState::Pending,
         State::Running => proto::JobState::Running,
@@ -65,7 +65,7 @@ fn mode_proto(m: StepMode) -> proto::CleanupStepMode {
     }
 }
 
-fn spec_proto(s: &JobSpec) -> proto::JobSpec {
+pub(super) fn spec_proto(s: &JobSpec) -> proto::JobSpec {
     proto::JobSpec {
         command: s.command.clone(),
         env: s.env.clone().into_iter().collect(),
@@ -282,7 +282,7 @@ pub fn job_view(s: &Snapshot) -> proto::Job {
     job
 }
 
-fn resolve_spec(p: Option<proto::JobSpec>) -> Result<JobSpec, jobs::Error> {
+pub(super) fn resolve_spec(p: Option<proto::JobSpec>) -> Result<JobSpec, jobs::Error> {
     let p = p.ok_or(spec::Invalid {
         field: "spec",
         reason: "is required".into(),
@@ -352,6 +352,7 @@ impl JobService for JobApi {
         let id = if req.job_id.is_empty() {
             generated_id()
         } else {
+            crate::schedule::check_submitted_id(&req.job_id).map_err(jobs::Error::from)?;
             req.job_id
         };
         let done = jobs::submit(&self.submits, &self.keys, &id, spec, &caller).await?;

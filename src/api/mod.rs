@@ -7,6 +7,7 @@ mod health;
 mod jobs;
 mod logs;
 mod metrics;
+mod schedules;
 mod status;
 
 pub use cluster::ClusterApi;
@@ -14,6 +15,7 @@ pub use fleet::FleetApi;
 pub use health::{Ready, LIVENESS};
 pub use jobs::{job_view, JobApi};
 pub use metrics::serve_metrics;
+pub use schedules::{schedule_view, ScheduleApi};
 
 use std::net::SocketAddr;
 
@@ -29,6 +31,7 @@ use crate::store::Store;
 use crate::proto::cluster_service_server::ClusterServiceServer;
 use crate::proto::fleet_service_server::FleetServiceServer;
 use crate::proto::job_service_server::JobServiceServer;
+use crate::proto::schedule_service_server::ScheduleServiceServer;
 use crate::proto::worker_service_server::WorkerServiceServer;
 use crate::worker::WorkerLogs;
 
@@ -40,6 +43,7 @@ pub struct Services {
     pub cluster: ClusterApi,
     pub jobs: JobApi,
     pub fleet: FleetApi,
+    pub schedules: ScheduleApi,
     /// Its embedded worker's logs, if it runs one.
     pub worker: Option<WorkerLogs>,
     pub security: Security,
@@ -63,11 +67,13 @@ pub async fn serve(
         cluster,
         jobs,
         fleet,
+        schedules,
         worker,
         security,
         ready: ready_flag,
     } = services;
     let mut ready = vec![
+        service_name::<ScheduleServiceServer<ScheduleApi>>(),
         service_name::<ClusterServiceServer<ClusterApi>>(),
         service_name::<JobServiceServer<JobApi>>(),
         service_name::<FleetServiceServer<FleetApi>>(),
@@ -99,6 +105,10 @@ pub async fn serve(
         .add_service(ClusterServiceServer::new(cluster))
         .add_service(JobServiceServer::new(jobs).max_decoding_message_size(jobs::MAX_REQUEST_BYTES))
         .add_service(FleetServiceServer::new(fleet))
+        .add_service(
+            ScheduleServiceServer::new(schedules)
+                .max_decoding_message_size(jobs::MAX_REQUEST_BYTES),
+        )
         .add_optional_service(worker.map(WorkerServiceServer::new));
     match security.tls {
         Some(tls) => {

@@ -4,6 +4,7 @@ use tonic::Status;
 
 use crate::election;
 use crate::jobs;
+use crate::schedule;
 
 impl From<jobs::Error> for Status {
     fn from(e: jobs::Error) -> Status {
@@ -16,6 +17,22 @@ impl From<jobs::Error> for Status {
             Terminal(_) | NotDirty(_) => Status::failed_precondition(msg),
             Store(_) => Status::unavailable(msg),
             Corrupt(_) => Status::data_loss(msg),
+        }
+    }
+}
+
+impl From<schedule::Error> for Status {
+    fn from(e: schedule::Error) -> Status {
+        use schedule::Error::*;
+        let msg = error_chain(&e);
+        match e {
+            Invalid(_) => Status::invalid_argument(msg),
+            NotFound(_) => Status::not_found(msg),
+            AlreadyExists(_) => Status::already_exists(msg),
+            Changed { .. } => Status::failed_precondition(msg),
+            Store(_) => Status::unavailable(msg),
+            Corrupt(_) => Status::data_loss(msg),
+            Jobs(e) => e.into(),
         }
     }
 }

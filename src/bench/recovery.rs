@@ -241,6 +241,7 @@ async fn load_batch(
             spec_hash: spec.hash(),
             submitted_at_ms: now,
             submitted_by: Some("bench".into()),
+            schedule: None,
         };
         w = w.put(k.spec, codec::encode(&record));
         if kind == "done" {

@@ -60,6 +60,7 @@ pub async fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<Vec<Point>> {
         spec_hash: trivial_stored().hash(),
         submitted_at_ms: crate::clock::unix_ms(),
         submitted_by: Some("anonymous".into()),
+        schedule: None,
     });
     let pending = codec::encode(&RegistryEntry::pending());
     let (record, pending, raw_keys) = (Arc::new(record), Arc::new(pending), Arc::new(raw_keys));

@@ -7,7 +7,7 @@ use serde_json::json;
 use tonic::Status;
 
 use super::call_any;
-use crate::config::{CleanupArgs, JobIdArgs, ListArgs, LogsArgs, Output, SubmitArgs};
+use crate::config::{CleanupArgs, JobIdArgs, JobSpecArgs, ListArgs, LogsArgs, Output, SubmitArgs};
 use crate::proto::job_service_client::JobServiceClient;
 use crate::proto::{
     AbandonCleanupRequest, CancelJobRequest, CleanupState, CleanupStep, CleanupStepMode,
@@ -209,9 +209,8 @@ fn new_id() -> String {
     format!("job-{r}")
 }
 
-pub async fn submit(args: &SubmitArgs) -> anyhow::Result<()> {
-    // Chosen before the first try: retries across replicas can never create two jobs.
-    let id = args.id.clone().unwrap_or_else(new_id);
+/// The job spec the job flags describe (checked by the replica).
+pub fn spec_of(args: &JobSpecArgs) -> anyhow::Result<JobSpec> {
     let mut env = std::collections::HashMap::new();
     for kv in &args.env {
         let (k, v) = kv
@@ -256,7 +255,7 @@ pub async fn submit(args: &SubmitArgs) -> anyhow::Result<()> {
             });
         }
     }
-    let spec = JobSpec {
+    Ok(JobSpec {
         command: args.command.clone(),
         env,
         cleanup_command: args
@@ -270,7 +269,13 @@ pub async fn submit(args: &SubmitArgs) -> anyhow::Result<()> {
             .attempt_timeout
             .and_then(|t| prost_types::Duration::try_from(t).ok()),
         worker_selector,
-    };
+    })
+}
+
+pub async fn submit(args: &SubmitArgs) -> anyhow::Result<()> {
+    // Chosen before the first try: retries across replicas can never create two jobs.
+    let id = args.id.clone().unwrap_or_else(new_id);
+    let spec = spec_of(&args.job)?;
     let resp = submit_spec(&args.client, &id, spec).await?;
     let job = resp.job.unwrap_or_default();
     if args.wait {
@@ -408,7 +413,7 @@ pub async fn wait(args: &JobIdArgs) -> anyhow::Result<()> {
 
 /// Follows the job (WatchJob, re-opened on any replica after errors) until its result is
 /// recorded, prints it, and returns its exit code as [`JobExit`] when it is not 0.
-async fn wait_for(c: &crate::config::ClientArgs, id: &str) -> anyhow::Result<()> {
+pub async fn wait_for(c: &crate::config::ClientArgs, id: &str) -> anyhow::Result<()> {
     let job = loop {
         let mut long = c.clone();
         long.timeout = Duration::from_secs(10);

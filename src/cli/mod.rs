@@ -4,6 +4,7 @@
 //! rounds, until the overall `--timeout`.
 
 pub mod jobs;
+pub mod schedules;
 pub mod workers;
 
 use std::future::Future;

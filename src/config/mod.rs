@@ -64,6 +64,11 @@ pub enum Command {
         #[command(subcommand)]
         command: JobCommand,
     },
+    /// Recurring jobs: each tick runs at most once, whatever happens to the leader.
+    Schedule {
+        #[command(subcommand)]
+        command: ScheduleCommand,
+    },
     /// Run a failover drill: workload, faults, then every invariant checked.
     Drill(Box<DrillArgs>),
     /// Measure Baton against raw etcd on a private cluster: submissions, end-to-end jobs,
@@ -116,6 +121,16 @@ pub struct SubmitArgs {
     /// The job id (default: a new unique one, chosen before the first try so retries are safe).
     #[arg(long)]
     pub id: Option<String>,
+    /// Wait for the result after submitting, like `baton job wait`.
+    #[arg(long)]
+    pub wait: bool,
+    #[command(flatten)]
+    pub job: JobSpecArgs,
+}
+
+/// What a job runs, as `job submit` and `schedule create` take it.
+#[derive(Debug, Clone, Args)]
+pub struct JobSpecArgs {
     /// Environment for the job, `K=V`; repeatable.
     #[arg(long = "env", value_name = "K=V")]
     pub env: Vec<String>,
@@ -140,12 +155,154 @@ pub struct SubmitArgs {
     /// Per-attempt timeout (default 24h).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub attempt_timeout: Option<Duration>,
-    /// Wait for the result after submitting, like `baton job wait`.
-    #[arg(long)]
-    pub wait: bool,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ScheduleCommand {
+    /// Create a schedule: `baton schedule create NAME --cron EXPR [--tz Z] -- CMD ARGS...`.
+    Create(ScheduleCreateArgs),
+    /// Show one schedule: its policies, next 5 fire times and last 20 outcomes.
+    Get(ScheduleNameArgs),
+    /// List the schedules.
+    List(ClientArgs),
+    /// Change some of a schedule's settings; the next tick is the first after the change.
+    Update(ScheduleUpdateArgs),
+    /// Pause: ticks until the resume are recorded `paused` and never run later.
+    Pause(SchedulePauseArgs),
+    /// Resume a paused schedule from now on.
+    Resume(ScheduleRevisionArgs),
+    /// Delete a schedule (its running jobs go on unless --cancel-running).
+    Delete(ScheduleDeleteArgs),
+    /// Run the schedule's job once now, under an id no tick can take.
+    Trigger(ScheduleTriggerArgs),
+    /// Run the ticks in (--from, --to] that have not run (at most 1000 a request).
+    Backfill(ScheduleBackfillArgs),
+}
+
+/// A schedule's timing and policies, as `create` takes them and `update` changes them.
+#[derive(Debug, Clone, Args)]
+pub struct SchedulePolicyArgs {
+    /// IANA zone the expression is read in (default UTC).
+    #[arg(long)]
+    pub tz: Option<String>,
+    /// forbid (skip a tick while a run is live), allow, or replace (cancel the live runs; the
+    /// new one starts once they have ended). Default forbid.
+    #[arg(long)]
+    pub overlap: Option<String>,
+    /// Missed ticks older than this when the leader reaches them are recorded `missed`
+    /// (default 10m).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub catchup_window: Option<Duration>,
+    /// latest (run the latest missed tick inside the window) or all (each, in order; overlap
+    /// allow only). Default latest.
+    #[arg(long)]
+    pub catchup: Option<String>,
+    /// Tick results kept, newest first (default 1000).
+    #[arg(long)]
+    pub keep_results: Option<u32>,
+}
+
+#[derive(Debug, Args)]
+pub struct ScheduleCreateArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// 1-96 characters of [A-Za-z0-9._-].
+    pub name: String,
+    /// Cron (5 fields, or 6 with seconds first), @hourly, @daily, @weekly, @monthly,
+    /// @yearly, or `@every 30s`.
+    #[arg(long)]
+    pub cron: String,
+    #[command(flatten)]
+    pub policy: SchedulePolicyArgs,
+    #[command(flatten)]
+    pub job: JobSpecArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct ScheduleUpdateArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub name: String,
+    #[arg(long)]
+    pub cron: Option<String>,
+    #[command(flatten)]
+    pub policy: SchedulePolicyArgs,
+    /// Only if the schedule is still at this revision (`schedule get` shows it).
+    #[arg(long, default_value_t = 0)]
+    pub if_revision: i64,
+    /// A new job command and arguments (with its job flags: env, attempts, timeout...).
+    #[arg(last = true)]
+    pub command: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ScheduleNameArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub name: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ScheduleRevisionArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub name: String,
+    /// Only if the schedule is still at this revision.
+    #[arg(long, default_value_t = 0)]
+    pub if_revision: i64,
+}
+
+#[derive(Debug, Args)]
+pub struct SchedulePauseArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub name: String,
+    /// Why (shown by `schedule get`).
+    #[arg(long)]
+    pub reason: Option<String>,
+    #[arg(long, default_value_t = 0)]
+    pub if_revision: i64,
+}
+
+#[derive(Debug, Args)]
+pub struct ScheduleDeleteArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub name: String,
+    #[arg(long, default_value_t = 0)]
+    pub if_revision: i64,
+    /// Also cancel the schedule's live jobs.
+    #[arg(long)]
+    pub cancel_running: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ScheduleTriggerArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub name: String,
+    /// Wait for the run's result; exit with its exit code.
+    #[arg(long)]
+    pub wait: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ScheduleBackfillArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub name: String,
+    /// RFC 3339, exclusive.
+    #[arg(long)]
+    pub from: String,
+    /// RFC 3339, inclusive.
+    #[arg(long)]
+    pub to: String,
+    /// Also run ticks older than the kept results (at least once, not at most once).
+    #[arg(long)]
+    pub force: bool,
 }
 
 #[derive(Debug, Args)]

@@ -103,6 +103,16 @@ pub struct ServeArgs {
     /// of the job and its write (and says so in `<file>.<job>.reached`).
     #[arg(long, env = "BATON_TEST_PAUSE_BEFORE_ASSIGN", hide = true)]
     pub test_pause_before_assign: Option<PathBuf>,
+    /// Test hook: moves this replica's schedule clock by this many ms (may be negative), so a
+    /// test can put a real cluster next to a daylight-saving change.
+    #[arg(
+        long,
+        env = "BATON_TEST_CLOCK_OFFSET_MS",
+        hide = true,
+        allow_hyphen_values = true,
+        default_value_t = 0
+    )]
+    pub test_clock_offset_ms: i64,
 }
 
 /// `--cleanup-strategy`.

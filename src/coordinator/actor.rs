@@ -39,6 +39,8 @@ pub(super) async fn lead(ctx: Arc<Ctx>, term: Term) {
     let fleet = Arc::new(Mutex::new(Fleet::new()));
     term.tracker()
         .spawn(cleanup::run(ctx.clone(), writer.clone(), fleet.clone()).in_current_span());
+    term.tracker()
+        .spawn(super::schedules::run(ctx.clone(), writer.clone()).in_current_span());
     let mut actor = Actor {
         ctx: ctx.clone(),
         writer,

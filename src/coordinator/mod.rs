@@ -9,6 +9,7 @@
 //! - [`transition`]: one job's step, read from etcd and written fenced;
 //! - [`recovery`]: the pinned, paged read a new term starts from;
 //! - [`cleanup`]: dirty results made clean, stage by stage;
+//! - [`schedules`]: schedules' ticks, fired at most once each;
 //! - [`writer`]: the one fenced writer of a term.
 //!
 //! The leader starts no process: jobs and cleanup steps run on workers.
@@ -19,11 +20,13 @@ mod ctx;
 mod fleet;
 pub mod protocol;
 mod recovery;
+mod schedules;
 mod starts;
 mod transition;
 mod writer;
 
 pub use ctx::{CleanupConfig, CoordinatorConfig, Ctx};
+pub use schedules::EVENT_TARGET as SCHEDULE_EVENTS;
 pub use writer::Writer;
 
 use std::sync::Arc;

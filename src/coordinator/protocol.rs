@@ -12,6 +12,8 @@
 //!   absence) and deletes the assignment key, so an `exited` and a reschedule exclude each
 //!   other.
 //! - A result is written only while no result exists, with the registry delete.
+//! - An entry that names jobs it runs `after` is assigned only while their registry entries
+//!   are absent (a schedule's `replace`: the old run has ended before the new one starts).
 
 use crate::jobs::records::{self, JobResult, RegistryEntry, RegistryStatus, TerminalStatus};
 use crate::jobs::spec::JobRecord;
@@ -284,7 +286,7 @@ impl<'a> Job<'a> {
         now_ms: u64,
     ) -> (Write, RegistryEntry, Assignment) {
         let mut entry = self.entry.clone();
-        entry.version = records::REGISTRY_VERSION;
+        entry.version = entry.stored_version();
         entry.attempt += 1;
         entry.status = RegistryStatus::Running;
         entry.term = term;
@@ -310,8 +312,12 @@ impl<'a> Job<'a> {
         let k = self.keys.job(self.id());
         let worker_key = self.keys.worker(&to.id);
         // The result store is the last word: no result, no run.
-        let write = self
-            .same_job()
+        // Runs a schedule's `replace` cancelled for this one must have ended, whichever term
+        // cancelled them.
+        let write = self.entry.after.iter().fold(self.same_job(), |w, a| {
+            w.when_absent(self.keys.job(a).registry)
+        });
+        let write = write
             .when_absent(k.cancel)
             .when_absent(k.dirty)
             .when_absent(k.clean)
@@ -334,7 +340,7 @@ impl<'a> Job<'a> {
         max_recoveries: u32,
     ) -> Result<Write, Box<(RegistryEntry, String)>> {
         let mut back = self.entry.clone();
-        back.version = records::REGISTRY_VERSION;
+        back.version = back.stored_version();
         back.status = RegistryStatus::Pending;
         back.term = term;
         back.worker = None;
@@ -413,7 +419,7 @@ impl<'a> Job<'a> {
             };
             return Ending::Result(outcome, entry);
         }
-        entry.version = records::REGISTRY_VERSION;
+        entry.version = entry.stored_version();
         entry.status = RegistryStatus::Pending;
         entry.term = term;
         entry.worker = None;

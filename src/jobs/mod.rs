@@ -404,6 +404,7 @@ pub async fn submit(
         spec_hash: hash.clone(),
         submitted_at_ms: records::now_ms(),
         submitted_by: Some(submitted_by.to_string()),
+        schedule: None,
     };
     let write = Write::new()
         .when_absent(k.spec.clone())

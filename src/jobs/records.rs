@@ -8,7 +8,10 @@ use serde::{Deserialize, Serialize};
 /// Version 2: RUNNING entries name the worker incarnation that runs them. A version 1 RUNNING
 /// entry was run by an older leader itself; it is rescheduled (that leader's term is over).
 pub const REGISTRY_VERSION: u32 = 2;
-pub const REGISTRY_VERSIONS_READ: &[u32] = &[1, 2];
+/// Version 3: the entry names runs it must wait for (`after`, a schedule's `replace`), which a
+/// version 2 reader would not wait for; it reads version 3 as unknown instead.
+pub const REGISTRY_VERSION_AFTER: u32 = 3;
+pub const REGISTRY_VERSIONS_READ: &[u32] = &[1, 2, 3];
 /// Version 2: the dirty entry may record a cleanup step given to a worker, which a version 1
 /// reader (an older leader) would not see and would run itself; it reads version 2 as corrupt.
 pub const RESULT_VERSION: u32 = 2;
@@ -68,6 +71,10 @@ pub struct RegistryEntry {
     /// The next assignment restarts an attempt a lost worker ran (`BATON_RECOVERED=1`).
     #[serde(default)]
     pub recovered_next: bool,
+    /// Jobs whose registry entries must be gone before this one is assigned: the runs a
+    /// schedule's `replace` cancelled for it. Every assignment compares them absent.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub after: Vec<String>,
 }
 
 impl RegistryEntry {
@@ -88,6 +95,29 @@ impl RegistryEntry {
             worker_lease: 0,
             worker_ttl_ms: 0,
             recovered_next: false,
+            after: Vec::new(),
+        }
+    }
+
+    /// A PENDING entry that starts only once these jobs' entries are gone.
+    pub fn pending_after(after: Vec<String>) -> RegistryEntry {
+        RegistryEntry {
+            version: if after.is_empty() {
+                REGISTRY_VERSION
+            } else {
+                REGISTRY_VERSION_AFTER
+            },
+            after,
+            ..RegistryEntry::pending()
+        }
+    }
+
+    /// The version this entry is written with: the oldest that can say all of it.
+    pub fn stored_version(&self) -> u32 {
+        if self.after.is_empty() {
+            REGISTRY_VERSION
+        } else {
+            REGISTRY_VERSION_AFTER
         }
     }
 }

@@ -379,6 +379,21 @@ pub struct JobRecord {
     /// without authentication). Absent in records written before it was kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub submitted_by: Option<String>,
+    /// The schedule that made this job (a tick, trigger or backfill), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<TickOrigin>,
+}
+
+/// What a schedule's job records about where it came from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TickOrigin {
+    pub schedule: String,
+    /// The mod revision of the schedule's definition the job was made from.
+    pub schedule_revision: i64,
+    /// Unix ms.
+    pub scheduled_time: u64,
+    /// `tick`, `trigger` or `backfill`.
+    pub kind: String,
 }
 
 /// Version 2: the spec has cleanup steps, which an older leader would skip; it reads version

@@ -61,6 +61,8 @@ pub fn required(path: &str) -> Option<Role> {
             "baton.v1.JobService",
             "GetJob" | "ListJobs" | "WatchJob" | "GetJobLogs" | "FollowJobLogs",
         ) => Role::Read,
+        ("baton.v1.ScheduleService", "GetSchedule" | "ListSchedules") => Role::Read,
+        ("baton.v1.ScheduleService", _) => Role::Submit,
         ("baton.v1.ClusterService", "GetLeader") => Role::Read,
         ("baton.v1.FleetService", "ListWorkers") => Role::Read,
         _ => Role::Admin,
@@ -123,6 +125,14 @@ mod tests {
             Some(Role::Admin)
         );
         assert_eq!(required("/baton.v1.JobService/Unknown"), Some(Role::Admin));
+        assert_eq!(
+            required("/baton.v1.ScheduleService/GetSchedule"),
+            Some(Role::Read)
+        );
+        assert_eq!(
+            required("/baton.v1.ScheduleService/PauseSchedule"),
+            Some(Role::Submit)
+        );
         assert_eq!(required("garbage"), Some(Role::Admin));
         assert!(Role::Read < Role::Submit && Role::Submit < Role::Admin);
     }

@@ -141,6 +141,36 @@ impl Keys {
         format!("{}{token}", self.attempts_of(job))
     }
 
+    /// `schedules/`: schedule definitions, written by any replica.
+    pub fn schedules(&self) -> String {
+        format!("{}schedules/", self.prefix)
+    }
+
+    /// `schedules/<name>`
+    pub fn schedule(&self, name: &str) -> String {
+        format!("{}{name}", self.schedules())
+    }
+
+    /// `schedule-status/`: what the leader decided about each schedule (fenced).
+    pub fn schedule_statuses(&self) -> String {
+        format!("{}schedule-status/", self.prefix)
+    }
+
+    /// `schedule-status/<name>`
+    pub fn schedule_status(&self, name: &str) -> String {
+        format!("{}{name}", self.schedule_statuses())
+    }
+
+    /// `schedule-requests/`: triggers and backfills waiting for the leader.
+    pub fn schedule_requests(&self) -> String {
+        format!("{}schedule-requests/", self.prefix)
+    }
+
+    /// `schedule-requests/<name>/<id>`
+    pub fn schedule_request(&self, name: &str, id: &str) -> String {
+        format!("{}{name}/{id}", self.schedule_requests())
+    }
+
     /// The job id of a key under one of the per-job prefixes.
     pub fn id_in<'a>(prefix: &str, key: &'a [u8]) -> Option<&'a str> {
         std::str::from_utf8(key).ok()?.strip_prefix(prefix)

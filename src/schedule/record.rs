@@ -1,0 +1,253 @@
+//! What etcd holds about a schedule: `schedules/<name>` (the definition, written by any
+//! replica), `schedule-status/<name>` (what the leader decided, written by it alone, fenced)
+//! and `schedule-requests/<name>/<id>` (triggers and backfills for the leader to decide).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::jobs::spec::JobSpec;
+
+pub const SCHEDULE_VERSION: u32 = 1;
+pub const STATUS_VERSION: u32 = 1;
+pub const REQUEST_VERSION: u32 = 1;
+
+/// Outcomes kept in a status, newest last.
+pub const RECENT_MAX: usize = 20;
+
+/// When a new tick may start while earlier runs of the schedule are still live.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Overlap {
+    /// Skip the tick (recorded `skipped`).
+    #[default]
+    Forbid,
+    Allow,
+    /// Cancel the live runs; the new one starts once they have ended.
+    Replace,
+}
+
+impl Overlap {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Overlap::Forbid => "forbid",
+            Overlap::Allow => "allow",
+            Overlap::Replace => "replace",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Overlap> {
+        match s {
+            "forbid" | "" => Some(Overlap::Forbid),
+            "allow" => Some(Overlap::Allow),
+            "replace" => Some(Overlap::Replace),
+            _ => None,
+        }
+    }
+}
+
+/// Which missed ticks inside the catch-up window run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Catchup {
+    /// The latest; earlier ones are `superseded`.
+    #[default]
+    Latest,
+    /// Each, in order.
+    All,
+}
+
+impl Catchup {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Catchup::Latest => "latest",
+            Catchup::All => "all",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Catchup> {
+        match s {
+            "latest" | "" => Some(Catchup::Latest),
+            "all" => Some(Catchup::All),
+            _ => None,
+        }
+    }
+}
+
+/// `schedules/<name>`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScheduleRecord {
+    pub version: u32,
+    pub name: String,
+    /// The job each tick runs (its environment gains `BATON_SCHEDULE` and
+    /// `BATON_SCHEDULED_TIME`).
+    pub spec: JobSpec,
+    /// Cron (5 fields, or 6 with seconds first), a macro, or `@every D`.
+    pub cron: String,
+    pub tz: String,
+    pub overlap: Overlap,
+    pub catchup: Catchup,
+    #[serde(with = "secs")]
+    pub catchup_window: Duration,
+    /// Tick results kept: the newest this many.
+    pub keep_results: u32,
+    /// `@every`'s anchor, Unix ms: the creation, reset when the period changes.
+    pub anchor_ms: u64,
+    /// No tick at or before this Unix ms fires: the time of the latest create, update or
+    /// resume, so a change never fires the past.
+    pub floor_ms: u64,
+    #[serde(default)]
+    pub paused: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_reason: Option<String>,
+    /// The floor was set by a resume: the ticks below it were `paused`.
+    #[serde(default)]
+    pub resumed: bool,
+    pub created_by: String,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+}
+
+/// One decided tick (or trigger or backfill), as the status keeps it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Decided {
+    /// The scheduled time, Unix ms.
+    pub t: u64,
+    /// `fired`, `skipped`, `missed`, `superseded`, `paused`, `conflict`, `clock-skew`.
+    pub o: String,
+    /// The job id, when it is not `<name>-<t>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub j: Option<String>,
+    /// How many ticks this entry stands for (older ones of the same outcome), when more than 1.
+    #[serde(default, skip_serializing_if = "is_one")]
+    pub n: u64,
+    /// When it was decided, Unix ms.
+    pub d: u64,
+}
+
+fn is_one(n: &u64) -> bool {
+    *n <= 1
+}
+
+/// `schedule-status/<name>`: the leader's bookkeeping, under 2 KiB.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScheduleStatus {
+    pub version: u32,
+    /// The create revision of the schedule this status is about: a status naming another one
+    /// (the name was deleted and created again) is stale.
+    pub schedule_rev: i64,
+    /// The latest tick decided, Unix ms: no tick at or before it fires again.
+    pub watermark_ms: u64,
+    /// Jobs of this schedule that may still be live (pruned when their registry entry is gone).
+    #[serde(default)]
+    pub live: Vec<String>,
+    /// Ticks by outcome, since the schedule was created.
+    #[serde(default)]
+    pub counts: BTreeMap<String, u64>,
+    #[serde(default)]
+    pub recent: Vec<Decided>,
+    /// The latest trigger's time, Unix ms (trigger ids never repeat).
+    #[serde(default)]
+    pub last_trigger_ms: u64,
+}
+
+impl ScheduleStatus {
+    pub fn new(schedule_rev: i64) -> Self {
+        Self {
+            version: STATUS_VERSION,
+            schedule_rev,
+            ..Default::default()
+        }
+    }
+
+    /// Records an outcome standing for `n` ticks, the newest at `t`.
+    pub fn record(&mut self, t: u64, outcome: &str, job: Option<String>, n: u64, now_ms: u64) {
+        if n == 0 {
+            return;
+        }
+        *self.counts.entry(outcome.to_string()).or_default() += n;
+        self.recent.push(Decided {
+            t,
+            o: outcome.to_string(),
+            j: job,
+            n,
+            d: now_ms,
+        });
+        if self.recent.len() > RECENT_MAX {
+            let extra = self.recent.len() - RECENT_MAX;
+            self.recent.drain(..extra);
+        }
+    }
+}
+
+/// What a request asks of the leader.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum RequestKind {
+    /// One run now, with an id no tick can take.
+    Trigger,
+    /// The ticks in `(from_ms, to_ms]` not run yet; `force`: also those older than the kept
+    /// results (at least once, not at most once).
+    Backfill {
+        from_ms: u64,
+        to_ms: u64,
+        #[serde(default)]
+        force: bool,
+    },
+}
+
+/// `schedule-requests/<name>/<id>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScheduleRequest {
+    pub version: u32,
+    #[serde(flatten)]
+    pub kind: RequestKind,
+    /// The create revision of the schedule it is for.
+    pub schedule_rev: i64,
+    pub requested_by: String,
+    pub requested_at_ms: u64,
+}
+
+/// Durations stored as seconds.
+mod secs {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let secs = f64::deserialize(d)?;
+        if !(0.0..=1e9).contains(&secs) {
+            return Err(serde::de::Error::custom("duration out of range"));
+        }
+        Ok(Duration::from_secs_f64(secs))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_status_stays_under_2_kib() {
+        let mut s = ScheduleStatus::new(123_456_789);
+        s.watermark_ms = 1_790_000_000_000;
+        for i in 0..100u64 {
+            s.record(
+                1_790_000_000_000 + i,
+                "superseded",
+                None,
+                1000 + i,
+                1_790_000_000_123,
+            );
+        }
+        s.live = vec!["nightly-backup-20261205T203000Z".into(); 3];
+        let bytes = crate::store::codec::encode(&s).len();
+        assert!(bytes < 2048, "{bytes} bytes");
+        assert_eq!(s.recent.len(), RECENT_MAX);
+        assert_eq!(s.counts["superseded"], (1000..1100).sum::<u64>());
+    }
+}
