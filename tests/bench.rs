@@ -43,6 +43,10 @@ fn every_scenario_runs_at_tiny_sizes_and_reports_real_figures() {
             "300",
             "--failovers",
             "1",
+            "--schedules",
+            "50",
+            "--schedule-ticks",
+            "3",
             "--dir",
             work.to_str().unwrap(),
             "--plot",
@@ -84,6 +88,13 @@ fn every_scenario_runs_at_tiny_sizes_and_reports_real_figures() {
     // footprint: real processes.
     assert!(num(&report, &["footprint", "idle_follower", "rss_mb"]) > 1.0);
     assert!(num(&report, &["footprint", "idle_worker", "rss_mb"]) > 1.0);
+    // schedules: ticks seen by the watch; a killed leader's tick waits out the lease.
+    assert_eq!(num(&report, &["schedules", "idle_lag", "n"]), 3.0);
+    assert_eq!(num(&report, &["schedules", "kill_to_job", "n"]), 1.0);
+    assert!(num(&report, &["schedules", "kill_to_job", "p50_ms"]) >= 1000.0);
+    assert_eq!(num(&report, &["schedules", "burst_created"]), 50.0);
+    assert!(num(&report, &["schedules", "leader_rss_mb"]) > 1.0);
+    assert!(num(&report, &["schedules", "etcd_db_mb"]) > 0.0);
     assert!(!report["targets"].as_array().unwrap().is_empty());
     for name in ["submit-throughput.svg", "submit-latency-cdf.svg"] {
         let svg = std::fs::read_to_string(plots.join(name)).unwrap();

@@ -4,7 +4,8 @@
 //! - [`e2e`]: trivial jobs from submission to a clean result, and their cost in etcd requests;
 //! - [`recovery`]: a new leader taking in N preloaded jobs, next to a raw paged read;
 //! - [`failover`]: leader SIGKILLs and SIGTERMs;
-//! - [`footprint`]: memory and CPU of idle processes and of a leader holding N jobs.
+//! - [`footprint`]: memory and CPU of idle processes and of a leader holding N jobs;
+//! - [`schedules`]: tick lag, a leader killed at a tick, N schedules due at one instant.
 //!
 //! Baton's limit is what etcd can commit, so figures come as ratios to raw etcd where there
 //! is one. Only loopback addresses are used.
@@ -18,6 +19,7 @@ mod load;
 mod plot;
 mod recovery;
 mod report;
+mod schedules;
 mod stats;
 mod submit;
 mod usage;
@@ -58,6 +60,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let n = args.recovery_jobs.iter().copied().max().unwrap_or(0);
                 report.footprint = Some(footprint::run(&args, &at, n).await?);
             }
+            "schedules" => report.schedules = Some(schedules::run(&args, &at).await?),
             _ => unreachable!("checked by scenarios()"),
         }
     }

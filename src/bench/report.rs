@@ -9,6 +9,7 @@ use super::e2e::EndToEnd;
 use super::failover::Failover;
 use super::footprint::Footprint;
 use super::recovery::Recovery;
+use super::schedules::Schedules;
 use super::submit::Point;
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -22,6 +23,7 @@ pub struct Report {
     pub recovery: Option<Vec<Recovery>>,
     pub failover: Option<Failover>,
     pub footprint: Option<Footprint>,
+    pub schedules: Option<Schedules>,
     pub targets: Vec<Target>,
 }
 
@@ -112,6 +114,37 @@ impl Report {
                     u.rss_mb < 30.0 && u.cpu_percent < 1.0,
                 );
             }
+        }
+        if let Some(s) = &self.schedules {
+            add(
+                "schedule tick lag, idle (p99)",
+                "< 100 ms",
+                format!("{:.0} ms", s.idle_lag.p99_ms),
+                s.idle_lag.p99_ms < 100.0,
+            );
+            let all = s.burst_created == s.burst_schedules;
+            add(
+                &format!("{} schedules due at one instant", s.burst_schedules),
+                "all jobs < 2 s, no step-down",
+                format!(
+                    "{} of {} in {:.0} ms, {} step-downs",
+                    s.burst_created, s.burst_schedules, s.burst_last_ms, s.burst_step_downs
+                ),
+                all && s.burst_last_ms < 2000.0 && s.burst_step_downs == 0,
+            );
+            add(
+                "leader RSS after the burst",
+                "< 60 MB",
+                format!("{:.1} MB", s.leader_rss_mb),
+                s.leader_rss_mb < 60.0,
+            );
+            let bound = s.lease_ttl_ms as f64 + 1000.0;
+            add(
+                "leader SIGKILL at a tick: its job (max)",
+                &format!("< TTL + 1 s = {bound:.0} ms"),
+                format!("{:.0} ms", s.kill_to_job.max_ms),
+                s.kill_to_job.max_ms < bound,
+            );
         }
         self.targets = t;
     }
@@ -246,6 +279,40 @@ impl Report {
             ] {
                 let _ = writeln!(o, "  {who:<30} {:>8.1} {:>8.2}", u.rss_mb, u.cpu_percent);
             }
+        }
+        if let Some(s) = &self.schedules {
+            let _ = writeln!(
+                o,
+                "\nschedules: jobs seen by the benchmark's own watch of jobs/, TTL {} ms",
+                s.lease_ttl_ms
+            );
+            let _ = writeln!(
+                o,
+                "  {:<44} {:>8} {:>8} {:>8}",
+                "", "p50 ms", "p99 ms", "max ms"
+            );
+            for (what, sp) in [
+                ("every-second tick, idle: scheduled to job", &s.idle_lag),
+                ("leader SIGKILL at a tick: kill to job", &s.kill_to_job),
+                ("  new term's became_leader to job", &s.leader_to_job),
+            ] {
+                let _ = writeln!(
+                    o,
+                    "  {what:<44} {:>8.0} {:>8.0} {:>8.0}",
+                    sp.p50_ms, sp.p99_ms, sp.max_ms
+                );
+            }
+            let _ = writeln!(
+                o,
+                "  {} schedules due at one instant: {} jobs, median {:.0} ms, last {:.0} ms after it; {} step-downs; leader {:.1} MB; etcd db {:.1} MB",
+                s.burst_schedules,
+                s.burst_created,
+                s.burst_p50_ms,
+                s.burst_last_ms,
+                s.burst_step_downs,
+                s.leader_rss_mb,
+                s.etcd_db_mb
+            );
         }
         if !self.targets.is_empty() {
             let _ = writeln!(o, "\ntargets");

@@ -6,11 +6,19 @@ use std::time::Duration;
 use clap::Args;
 
 /// The scenarios, in the order they run.
-pub const ALL_SCENARIOS: [&str; 5] = ["submit", "e2e", "recovery", "failover", "footprint"];
+pub const ALL_SCENARIOS: [&str; 6] = [
+    "submit",
+    "e2e",
+    "recovery",
+    "failover",
+    "footprint",
+    "schedules",
+];
 
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// Comma-separated scenarios: submit, e2e, recovery, failover, footprint (default: all).
+    /// Comma-separated scenarios: submit, e2e, recovery, failover, footprint, schedules
+    /// (default: all).
     #[arg(long, env = "BATON_BENCH_SCENARIOS", value_delimiter = ',')]
     pub scenarios: Vec<String>,
     /// etcd members of the benchmark's own etcd.
@@ -37,6 +45,12 @@ pub struct BenchArgs {
     /// failover: leader SIGKILLs, and as many SIGTERMs.
     #[arg(long, env = "BATON_BENCH_FAILOVERS", default_value_t = 20)]
     pub failovers: usize,
+    /// schedules: schedules due at one instant.
+    #[arg(long, env = "BATON_BENCH_SCHEDULES", default_value_t = 10_000)]
+    pub schedules: usize,
+    /// schedules: ticks of an every-second schedule measured on an idle cluster.
+    #[arg(long, env = "BATON_BENCH_SCHEDULE_TICKS", default_value_t = 30)]
+    pub schedule_ticks: usize,
     /// Election and worker lease TTL of the cluster under test.
     #[arg(long, env = "BATON_LEASE_TTL", value_parser = humantime::parse_duration, default_value = "2s")]
     pub lease_ttl: Duration,
@@ -88,6 +102,9 @@ impl BenchArgs {
         }
         if self.duration < Duration::from_millis(100) {
             return bad("--duration: at least 100ms");
+        }
+        if self.schedules == 0 || self.schedules > 100_000 || self.schedule_ticks == 0 {
+            return bad("--schedules: from 1 to 100,000; --schedule-ticks: at least 1");
         }
         if self.workers == 0 {
             return bad("--workers: at least 1");

@@ -116,6 +116,10 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             Err(e) => println!("(the demo job could not be submitted: {e:#})"),
         }
     }
+    println!(
+        "      {b} schedule create every-minute --cron '* * * * *' --endpoints {eps} -- sh -c 'echo tick $BATON_SCHEDULED_TIME'"
+    );
+    println!("      {b} schedule get every-minute --endpoints {eps}");
     println!("(`cargo install --path .` puts `baton` on your PATH)");
     println!("stop: Ctrl-C\n");
 

@@ -17,7 +17,7 @@ use crate::jobs::work::{AttemptRecord, AttemptState, ATTEMPT_VERSION};
 use crate::rolelog;
 use crate::store::codec;
 
-/// One of the seven guarantees.
+/// One of the guarantees a drill checks.
 #[derive(Clone, Debug, Serialize)]
 pub struct Invariant {
     pub number: u8,
@@ -35,7 +35,7 @@ pub struct Verdict {
     pub evidence: Vec<String>,
 }
 
-fn verdict(number: u8, name: &'static str, evidence: Vec<String>) -> Verdict {
+pub(super) fn verdict(number: u8, name: &'static str, evidence: Vec<String>) -> Verdict {
     Verdict {
         invariant: Invariant { number, name },
         checked: true,

@@ -10,6 +10,7 @@ mod control;
 pub mod history;
 mod remote;
 mod report;
+mod schedules;
 mod workload;
 
 use std::net::SocketAddr;
@@ -299,6 +300,9 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
         None => None,
     };
 
+    schedules::start(&lab.client(), seed)
+        .await
+        .context("creating the drill's schedules")?;
     let workload = workload::start(lab.client(), &args, seed, control.stop_token());
     let progress = control.progress(lab.target(), &workload);
     let mut rounds = Vec::new();
@@ -332,9 +336,13 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
         workload.finish().await
     };
     let target = lab.target();
+    schedules::stop(&lab.client(), seed)
+        .await
+        .context("pausing the drill's schedules")?;
     let drained = control.drain(&target, DRAIN_BOUND).await;
     drop(progress);
-    let verdicts = check::verify(&target, &submitted, &rounds, drained).await?;
+    let mut verdicts = check::verify(&target, &submitted, &rounds, drained).await?;
+    verdicts.push(schedules::check(&target, seed, &check::ledger(&target)).await?);
     if let (Some(path), Some(sampler), Some(ledger)) = (&args.history, sampler, &target.ledger) {
         let prefix = format!("/baton/{}/", target.cluster);
         let n = history::write(&target.etcd, &prefix, &sampler.stop(), ledger, path).await?;
