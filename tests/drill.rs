@@ -45,7 +45,7 @@ fn a_short_drill_of_every_replica_fault_holds_every_invariant() {
         "no fault cut a running job"
     );
     let invariants = report["invariants"].as_array().unwrap();
-    assert_eq!(invariants.len(), 7);
+    assert_eq!(invariants.len(), 8);
     assert!(invariants.iter().all(|v| v["passed"] == true), "{out}");
     assert_eq!(report["submitted"], 50);
 }
@@ -68,7 +68,7 @@ fn a_drill_of_worker_faults_with_separate_workers_holds_every_invariant() {
     assert_eq!(code, Some(0), "{out}\n{err}");
     let report: serde_json::Value = serde_json::from_str(&out).unwrap();
     let invariants = report["invariants"].as_array().unwrap();
-    assert_eq!(invariants.len(), 7);
+    assert_eq!(invariants.len(), 8);
     assert!(invariants.iter().all(|v| v["passed"] == true), "{out}");
     let rounds = report["rounds"].as_array().unwrap();
     assert!(

@@ -11,7 +11,6 @@ use crate::proto::{self, schedule_service_server::ScheduleService};
 use crate::schedule::expr;
 use crate::schedule::record::{Catchup, Overlap};
 use crate::schedule::service::{self, Changes, Definition, Retention, View};
-use crate::schedule::tick_id;
 use crate::security::caller_name;
 use crate::store::{Keys, Store};
 
@@ -154,11 +153,7 @@ pub fn schedule_view(v: &View) -> proto::Schedule {
             .recent
             .iter()
             .map(|d| {
-                let job_id = match (&d.j, d.o.as_str()) {
-                    (Some(j), _) => j.clone(),
-                    (None, "fired") => tick_id(&r.name, d.t),
-                    _ => String::new(),
-                };
+                let job_id = d.job_id(&r.name).unwrap_or_default();
                 proto::TickOutcome {
                     scheduled_time: expr::rfc3339(d.t),
                     outcome: d.o.clone(),

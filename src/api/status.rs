@@ -30,6 +30,7 @@ impl From<schedule::Error> for Status {
             NotFound(_) => Status::not_found(msg),
             AlreadyExists(_) => Status::already_exists(msg),
             Changed { .. } => Status::failed_precondition(msg),
+            Busy(_) => Status::resource_exhausted(msg),
             Store(_) => Status::unavailable(msg),
             Corrupt(_) => Status::data_loss(msg),
             Jobs(e) => e.into(),

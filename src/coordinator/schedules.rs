@@ -29,8 +29,8 @@ use crate::jobs::spec::{JobRecord, TickOrigin};
 use crate::metrics;
 use crate::schedule::expr::{self, Timing};
 use crate::schedule::record::{
-    Overlap, RequestKind, ScheduleRecord, ScheduleRequest, ScheduleStatus, REQUEST_VERSION,
-    SCHEDULE_VERSION, STATUS_VERSION,
+    Catchup, Overlap, RequestKind, ScheduleRecord, ScheduleRequest, ScheduleStatus, LIVE_MAX,
+    REQUEST_VERSION, SCHEDULE_VERSION, STATUS_VERSION,
 };
 use crate::schedule::{clock, service, tick_id, trigger_id};
 use crate::store::{codec, Keys, Write};
@@ -43,8 +43,8 @@ const SKEW_MS: u64 = 60_000;
 const STEPS_AT_ONCE: usize = 512;
 /// Ticks of `--catchup all` run in one step at most (the rest in the next).
 const CATCHUP_ALL_MAX: usize = 100;
-/// Ticks counted at most when a long outage is recorded `missed`.
-const COUNT_MAX: u64 = 10_000_000;
+/// Ticks counted in one go when a long outage is recorded (the rest in the next step).
+const COUNT_MAX: u64 = 1_000_000;
 
 /// One schedule as this term knows it.
 #[derive(Clone)]
@@ -58,7 +58,6 @@ struct Sched {
     status_rev: i64,
     /// Pending requests by key, with their mod revisions.
     requests: BTreeMap<String, (ScheduleRequest, i64)>,
-    skew_noted: bool,
 }
 
 /// Why a step stopped early.
@@ -75,7 +74,6 @@ struct Done {
     status: Option<(ScheduleStatus, i64)>,
     rec: Option<(ScheduleRecord, i64)>,
     handled: Vec<String>,
-    skew_noted: bool,
     again_ms: Option<u64>,
     deposed: bool,
 }
@@ -84,12 +82,13 @@ struct Done {
 pub(super) async fn run(ctx: Arc<Ctx>, writer: Writer) {
     let term = writer.term().clone();
     let mut pause = crate::retry::policies::RESYNC.backoff();
+    let mut sweeping: Option<tokio::task::JoinHandle<()>> = None;
     'resync: loop {
         let loaded = tokio::select! {
             r = load(&ctx) => r,
             _ = term.ended() => return,
         };
-        let (mut scheds, rev) = match loaded {
+        let (mut scheds, rev, orphans) = match loaded {
             Ok(v) => v,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read the schedules; trying again");
@@ -98,6 +97,11 @@ pub(super) async fn run(ctx: Arc<Ctx>, writer: Writer) {
             }
         };
         recheck_windows(&ctx, &writer, &mut scheds).await;
+        // Statuses and requests of schedules deleted while no leader was there.
+        for name in orphans {
+            let (writer, keys) = (writer.clone(), ctx.keys.clone());
+            tokio::spawn(async move { forget(&writer, &keys, &name).await }.in_current_span());
+        }
         let mut client = ctx.store.client();
         let opts = WatchOptions::new()
             .with_prefix()
@@ -124,8 +128,13 @@ pub(super) async fn run(ctx: Arc<Ctx>, writer: Writer) {
             due_at.insert(name.clone(), now);
         }
         let mut steps: JoinSet<Done> = JoinSet::new();
-        let mut busy: BTreeSet<String> = BTreeSet::new();
-        let mut sweep = tokio::time::interval(Duration::from_secs(60));
+        let mut busy: HashMap<tokio::task::Id, String> = HashMap::new();
+        let mut busy_names: BTreeSet<String> = BTreeSet::new();
+        // Its first sweep a minute into the term: catch-up goes first.
+        let mut sweep = tokio::time::interval_at(
+            tokio::time::Instant::now() + Duration::from_secs(60),
+            Duration::from_secs(60),
+        );
         loop {
             // Start what is due, while there is room.
             let now = clock::now_ms();
@@ -139,11 +148,13 @@ pub(super) async fn run(ctx: Arc<Ctx>, writer: Writer) {
                 timers.pop_first();
                 due_at.remove(&name);
                 let Some(s) = scheds.get(&name) else { continue };
-                if !busy.insert(name.clone()) {
+                if !busy_names.insert(name.clone()) {
+                    // Its step in flight plans it again when it ends.
                     continue;
                 }
                 let (ctx, writer, s) = (ctx.clone(), writer.clone(), s.clone());
-                steps.spawn(async move { step(&ctx, &writer, s).await }.in_current_span());
+                let h = steps.spawn(async move { step(&ctx, &writer, s).await }.in_current_span());
+                busy.insert(h.id(), name);
             }
             // The clock is read again at least every second: a step of it must not make a
             // tick wait for a long sleep.
@@ -152,12 +163,21 @@ pub(super) async fn run(ctx: Arc<Ctx>, writer: Writer) {
             tokio::select! {
                 biased;
                 _ = term.ended() => break 'resync,
-                Some(done) = steps.join_next() => {
-                    let Ok(done) = done else { continue };
+                Some(done) = steps.join_next_with_id() => {
+                    let (id, done) = match done {
+                        Ok((id, done)) => (id, Some(done)),
+                        Err(e) => (e.id(), None),
+                    };
+                    let Some(name) = busy.remove(&id) else { continue };
+                    busy_names.remove(&name);
+                    let Some(done) = done else {
+                        tracing::error!(schedule = %name, "a schedule step failed; looking again in a second");
+                        plan(&mut timers, &mut due_at, name, clock::now_ms() + 1000);
+                        continue;
+                    };
                     if done.deposed {
                         break 'resync;
                     }
-                    busy.remove(&done.name);
                     if let Some(at) = take(&mut scheds, done) {
                         plan(&mut timers, &mut due_at, at.0, at.1);
                     }
@@ -171,7 +191,7 @@ pub(super) async fn run(ctx: Arc<Ctx>, writer: Writer) {
                         }
                         for ev in resp.events() {
                             let Some(kv) = ev.kv() else { continue };
-                            if let Some(name) = event(&ctx, &writer, &mut scheds, ev.event_type(), kv).await {
+                            if let Some(name) = event(&ctx, &writer, &mut scheds, ev.event_type(), kv) {
                                 plan(&mut timers, &mut due_at, name, clock::now_ms());
                             }
                         }
@@ -182,10 +202,25 @@ pub(super) async fn run(ctx: Arc<Ctx>, writer: Writer) {
                         continue 'resync;
                     }
                 },
-                _ = sweep.tick() => keep_results(&ctx, &writer, &scheds).await,
+                _ = sweep.tick() => {
+                    // One sweep at a time, beside the ticks.
+                    if sweeping.as_ref().is_none_or(|h| h.is_finished()) {
+                        let (ctx, writer) = (ctx.clone(), writer.clone());
+                        let kept: Vec<(String, u32)> = scheds
+                            .values()
+                            .map(|s| (s.rec.name.clone(), s.rec.keep_results))
+                            .collect();
+                        sweeping = Some(tokio::spawn(
+                            async move { keep_results(&ctx, &writer, &kept).await }.in_current_span(),
+                        ));
+                    }
+                }
                 _ = tokio::time::sleep(wait) => {}
             }
         }
+    }
+    if let Some(h) = sweeping {
+        h.abort();
     }
 }
 
@@ -213,11 +248,11 @@ fn take(scheds: &mut BTreeMap<String, Sched>, done: Done) -> Option<(String, u64
         // Deleted and created again meanwhile: the new one is planned already.
         return Some((done.name, clock::now_ms()));
     }
+    // One step per schedule at a time, and only steps write the status: the step's is the
+    // newest.
     if let Some((status, rev)) = done.status {
-        if rev >= s.status_rev {
-            s.status = status;
-            s.status_rev = rev;
-        }
+        s.status = status;
+        s.status_rev = rev;
     }
     if let Some((rec, rev)) = done.rec {
         if rev > s.rev {
@@ -228,15 +263,18 @@ fn take(scheds: &mut BTreeMap<String, Sched>, done: Done) -> Option<(String, u64
     for k in &done.handled {
         s.requests.remove(k);
     }
-    s.skew_noted |= done.skew_noted;
     let at = done.again_ms.or_else(|| next_due(s)).unwrap_or(u64::MAX);
     (at != u64::MAX).then_some((done.name, at))
 }
 
-/// When schedule `s` has something to do next.
+/// When schedule `s` has something to do next. A paused one has nothing: its resume counts
+/// the ticks it slept through.
 fn next_due(s: &Sched) -> Option<u64> {
     if !s.requests.is_empty() {
         return Some(clock::now_ms());
+    }
+    if s.rec.paused {
+        return None;
     }
     let timing = Timing::new(&s.rec.cron, &s.rec.tz, s.rec.anchor_ms).ok()?;
     let from = s.status.watermark_ms.max(s.rec.floor_ms);
@@ -252,7 +290,9 @@ fn kv_at(resp: &etcd_client::TxnResponse, i: usize) -> Option<etcd_client::KeyVa
 }
 
 /// Every definition, status and request, read at one revision.
-async fn load(ctx: &Ctx) -> Result<(BTreeMap<String, Sched>, i64), crate::jobs::Error> {
+async fn load(
+    ctx: &Ctx,
+) -> Result<(BTreeMap<String, Sched>, i64, BTreeSet<String>), crate::jobs::Error> {
     let keys = &ctx.keys;
     let mut all: Vec<Vec<etcd_client::KeyValue>> = Vec::new();
     let mut rev = 0;
@@ -286,6 +326,11 @@ async fn load(ctx: &Ctx) -> Result<(BTreeMap<String, Sched>, i64), crate::jobs::
             scheds.insert(s.rec.name.clone(), s);
         }
     }
+    let mut orphans = BTreeSet::new();
+    let defined: BTreeSet<String> = defs
+        .iter()
+        .filter_map(|kv| Keys::id_in(&keys.schedules(), kv.key()).map(str::to_string))
+        .collect();
     for kv in &statuses {
         let Some(name) = Keys::id_in(&keys.schedule_statuses(), kv.key()) else {
             continue;
@@ -293,12 +338,21 @@ async fn load(ctx: &Ctx) -> Result<(BTreeMap<String, Sched>, i64), crate::jobs::
         if let Some(s) = scheds.get_mut(name) {
             s.status = service::fresh_status(Some(kv), s.create);
             s.status_rev = kv.mod_revision();
+        } else if !defined.contains(name) {
+            orphans.insert(name.to_string());
         }
     }
     for kv in &requests {
-        request_event(keys, &mut scheds, false, kv);
+        if request_event(keys, &mut scheds, false, kv).is_none() {
+            let name = Keys::id_in(&keys.schedule_requests(), kv.key())
+                .and_then(|r| r.split_once('/'))
+                .map(|(n, _)| n.to_string());
+            if let Some(n) = name.filter(|n| !defined.contains(n)) {
+                orphans.insert(n);
+            }
+        }
     }
-    Ok((scheds, rev))
+    Ok((scheds, rev, orphans))
 }
 
 /// A definition as a watch or a page shows it; `None` if it does not decode (reported).
@@ -320,7 +374,6 @@ fn sched_of(keys: &Keys, kv: &etcd_client::KeyValue) -> Option<Sched> {
         status: ScheduleStatus::new(kv.create_revision()),
         status_rev: 0,
         requests: BTreeMap::new(),
-        skew_noted: false,
     })
 }
 
@@ -344,7 +397,7 @@ fn request_event(
 }
 
 /// Takes a watch event in; returns the schedule to look at now, if any.
-async fn event(
+fn event(
     ctx: &Ctx,
     writer: &Writer,
     scheds: &mut BTreeMap<String, Sched>,
@@ -359,7 +412,8 @@ async fn event(
     let name = Keys::id_in(&keys.schedules(), kv.key())?.to_string();
     if deleted {
         let gone = scheds.remove(&name);
-        forget(writer, keys, &name).await;
+        let (w, k, n) = (writer.clone(), keys.clone(), name.clone());
+        tokio::spawn(async move { forget(&w, &k, &n).await }.in_current_span());
         tracing::info!(schedule = %name, had_status = gone.is_some(), "schedule deleted");
         return None;
     }
@@ -372,7 +426,6 @@ async fn event(
         fresh.requests = old.requests;
         if old.create == fresh.create {
             fresh.status = old.status;
-            fresh.skew_noted = old.skew_noted;
         }
     }
     fresh
@@ -428,7 +481,6 @@ async fn step(ctx: &Ctx, writer: &Writer, mut s: Sched) -> Done {
         status: None,
         rec: None,
         handled: Vec::new(),
-        skew_noted: false,
         again_ms: None,
         deposed: false,
     };
@@ -449,7 +501,6 @@ async fn step(ctx: &Ctx, writer: &Writer, mut s: Sched) -> Done {
     if s.rev != before.0 {
         done.rec = Some((s.rec.clone(), s.rev));
     }
-    done.skew_noted = s.skew_noted;
     done
 }
 
@@ -513,7 +564,13 @@ async fn requests(
                 }
             }
             RequestKind::Backfill { from_ms, to_ms, .. } => {
-                backfill(ctx, writer, s, from_ms, to_ms).await?;
+                let from = from_ms.max(req.progress_ms);
+                let Some(rev) = backfill(ctx, writer, s, (&key, rev, &req), from, to_ms).await?
+                else {
+                    // The request changed or went: the watch tells.
+                    handled.push(key);
+                    continue;
+                };
                 let w = Write::new()
                     .when_modified(key.clone(), rev)
                     .delete(key.clone());
@@ -526,34 +583,62 @@ async fn requests(
 }
 
 /// Creates the jobs of the ticks in `(from, to]` whose ids are free (at most
-/// [`service::BACKFILL_MAX`]); a tick whose job or result is there has already run.
+/// [`service::BACKFILL_MAX`]); a tick whose job or result is there has already run. Each tick's
+/// write also records the request's progress, so a new term resumes after it (results the
+/// sweep removes meanwhile cannot make a tick run twice). Returns the request's revision after
+/// the last write, or `None` if the request changed under it.
 async fn backfill(
     ctx: &Ctx,
     writer: &Writer,
     s: &mut Sched,
+    (key, mut rev, req): (&str, i64, &ScheduleRequest),
     from: u64,
     to: u64,
-) -> Result<(), Stop> {
+) -> Result<Option<i64>, Stop> {
     let Ok(timing) = Timing::new(&s.rec.cron, &s.rec.tz, s.rec.anchor_ms) else {
-        return Ok(());
+        return Ok(Some(rev));
     };
     let (ticks, _) = timing.ticks(from, to, service::BACKFILL_MAX as usize);
     let mut created = 0;
     for t in ticks {
         let id = tick_id(&s.rec.name, t);
-        let (write, _) = job_write(ctx, s, &id, t, "backfill", Vec::new());
-        match writer.commit(write).await {
-            Ok(Commit::Applied { .. }) => {
+        let progress = ScheduleRequest {
+            progress_ms: t,
+            ..req.clone()
+        };
+        let (job, _) = job_write(ctx, s, &id, t, "backfill", Vec::new());
+        let w = Write::new()
+            .when_modified(key.to_string(), rev)
+            .put(key.to_string(), codec::encode(&progress))
+            .merge(job)
+            .or_get(key.to_string());
+        match writer.commit(w).await {
+            Ok(Commit::Applied { revision, .. }) => {
+                rev = revision;
                 created += 1;
                 emit(s, t, "fired", Some(&id), 1, "backfill");
             }
-            Ok(Commit::Conflict(_)) => {}
+            Ok(Commit::Conflict(resp)) => {
+                if kv_at(&resp, 0).map(|kv| kv.mod_revision()) != Some(rev) {
+                    return Ok(None);
+                }
+                // Already run: only the progress moves.
+                let w = Write::new()
+                    .when_modified(key.to_string(), rev)
+                    .put(key.to_string(), codec::encode(&progress));
+                match writer.commit(w).await {
+                    Ok(Commit::Applied { revision, .. }) => rev = revision,
+                    Ok(Commit::Conflict(_)) => return Ok(None),
+                    Err(FenceError::Deposed { .. }) => return Err(Stop::Deposed),
+                    Err(FenceError::Store { .. }) => return Err(Stop::Retry),
+                }
+            }
             Err(FenceError::Deposed { .. }) => return Err(Stop::Deposed),
             Err(FenceError::Store { .. }) => return Err(Stop::Retry),
         }
     }
     tracing::info!(schedule = %s.rec.name, created, "backfill done");
-    Ok(())
+    Ok(Some(rev))
 }
 
 /// Decides the due ticks of `s`. `Ok(true)`: look again at once.
@@ -561,61 +646,82 @@ async fn ticks(ctx: &Ctx, writer: &Writer, s: &mut Sched) -> Result<bool, Stop> 
     let Ok(timing) = Timing::new(&s.rec.cron, &s.rec.tz, s.rec.anchor_ms) else {
         return Ok(false);
     };
+    if s.rec.paused {
+        return Ok(false);
+    }
     let now = clock::now_ms();
     let wm = s.status.watermark_ms;
-    let mut pre: Vec<(u64, &'static str, u64)> = Vec::new();
-    if wm > now + SKEW_MS && !s.skew_noted {
-        let (last, n) = last_and_count(&timing, now, wm);
-        tracing::warn!(schedule = %s.rec.name, watermark = %expr::rfc3339(wm), now = %expr::rfc3339(now), skipped = n, "the schedule's watermark is ahead of this leader's clock: keeping it (no tick fires twice); check the replicas' NTP");
-        metrics::get().schedule_clock_skews.inc();
-        s.skew_noted = true;
-        if let Some(last) = last {
-            let st = status_with(s, &[(last, "clock-skew", n)], None);
-            return status_only(writer, &ctx.keys, s, st).await;
+    if wm > now + SKEW_MS {
+        // Those ticks were decided (and counted) by the leader whose clock ran ahead: none
+        // fires again; the skip is noted once, whichever term finds it.
+        if s.status.skew_at != wm {
+            let (_, n, _) = counted(&timing, now, wm).await;
+            tracing::warn!(schedule = %s.rec.name, watermark = %expr::rfc3339(wm), now = %expr::rfc3339(now), skipped = n, "the schedule's watermark is ahead of this leader's clock: keeping it (no tick fires twice); check the replicas' NTP");
+            metrics::get().schedule_clock_skews.inc();
+            let mut st = status_with(s, &[], None);
+            st.skew_at = wm;
+            st.note(wm, "clock-skew", None, n, now);
+            status_only(writer, &ctx.keys, s, st).await?;
         }
+        return Ok(false);
     }
-    let mut from = wm;
+    let mut pre: Vec<(u64, &'static str, u64)> = Vec::new();
+    let mut from = wm.max(s.rec.created_at_ms);
+    // A resume or a change of timing moved the floor: the ticks below it are accounted for,
+    // never fired.
     if s.rec.floor_ms > from {
-        if s.rec.resumed || s.rec.paused {
-            let (last, n) = last_and_count(&timing, wm.max(s.rec.created_at_ms), s.rec.floor_ms);
-            if let Some(last) = last {
-                pre.push((last, "paused", n));
+        let outcome = if s.rec.resumed {
+            "paused"
+        } else {
+            "superseded"
+        };
+        let (last, n, more) = counted(&timing, from, s.rec.floor_ms).await;
+        match last {
+            Some(last) if more => {
+                let st = status_with(s, &[(last, outcome, n)], Some(last));
+                status_only(writer, &ctx.keys, s, st).await?;
+                return Ok(true);
             }
+            Some(last) => pre.push((last, outcome, n)),
+            None => {}
         }
         from = s.rec.floor_ms;
     }
-    if s.rec.paused {
-        let (last, n) = last_and_count(&timing, from, now);
-        if let Some(last) = last {
-            pre.push((last, "paused", n));
-        }
-        if pre.is_empty() {
-            return Ok(false);
-        }
-        let st = status_with(s, &pre, Some(now.max(from)));
-        return status_only(writer, &ctx.keys, s, st).await;
-    }
     let window_start = now.saturating_sub(s.rec.catchup_window.as_millis() as u64);
     if window_start > from + 1 {
-        let (last, n) = last_and_count(&timing, from, window_start - 1);
+        let (last, n, more) = counted(&timing, from, window_start - 1).await;
         if let Some(last) = last {
             pre.push((last, "missed", n));
+            if more {
+                let top = pre.iter().map(|p| p.0).max();
+                let st = status_with(s, &pre, top);
+                status_only(writer, &ctx.keys, s, st).await?;
+                return Ok(true);
+            }
             from = last;
         }
     }
     let (run, more): (Vec<u64>, bool) = match s.rec.catchup {
-        crate::schedule::record::Catchup::Latest => match last_and_count(&timing, from, now) {
-            (Some(latest), n) => {
+        Catchup::Latest => match counted(&timing, from, now).await {
+            (Some(latest), n, more) if more => {
+                // Too many to count at once: these are superseded whatever comes next.
+                pre.push((latest, "superseded", n));
+                let top = pre.iter().map(|p| p.0).max();
+                let st = status_with(s, &pre, top);
+                status_only(writer, &ctx.keys, s, st).await?;
+                return Ok(true);
+            }
+            (Some(latest), n, _) => {
                 if n > 1 {
-                    if let (Some(prev), _) = last_and_count(&timing, from, latest - 1) {
+                    if let (Some(prev), _, _) = counted(&timing, from, latest - 1).await {
                         pre.push((prev, "superseded", n - 1));
                     }
                 }
                 (vec![latest], false)
             }
-            (None, _) => (Vec::new(), false),
+            (None, ..) => (Vec::new(), false),
         },
-        crate::schedule::record::Catchup::All => timing.ticks(from, now, CATCHUP_ALL_MAX),
+        Catchup::All => timing.ticks(from, now, CATCHUP_ALL_MAX),
     };
     if run.is_empty() {
         if pre.is_empty() {
@@ -646,25 +752,13 @@ async fn ticks(ctx: &Ctx, writer: &Writer, s: &mut Sched) -> Result<bool, Stop> 
     Ok(more)
 }
 
-/// The newest tick in `(after, until]` and how many there are (counted up to a bound).
-fn last_and_count(timing: &Timing, after: u64, until: u64) -> (Option<u64>, u64) {
-    let n = timing.count(after, until, COUNT_MAX);
-    if n == 0 {
-        return (None, 0);
-    }
-    // The newest tick is the last one after a point a little before `until`.
-    let mut back = 1000u64;
-    loop {
-        let from = until.saturating_sub(back).max(after);
-        let (ticks, more) = timing.ticks(from, until, 100_000);
-        if let (Some(last), false) = (ticks.last(), more) {
-            return (Some(*last), n);
-        }
-        if from == after {
-            return (ticks.last().copied(), n);
-        }
-        back = back.saturating_mul(8);
-    }
+/// [`Timing::last_and_count`] off the runtime's threads (a 1-second cron after a long outage
+/// is many ticks), at most [`COUNT_MAX`] at once.
+async fn counted(timing: &Timing, after: u64, until: u64) -> (Option<u64>, u64, bool) {
+    let t = timing.clone();
+    tokio::task::spawn_blocking(move || t.last_and_count(after, until, COUNT_MAX))
+        .await
+        .unwrap_or((None, 0, false))
 }
 
 /// The status after recording `outcomes`, the watermark moved to `watermark` if later.
@@ -678,7 +772,7 @@ fn status_with(
     st.version = STATUS_VERSION;
     st.schedule_rev = s.create;
     for (t, o, n) in outcomes {
-        st.record(*t, o, None, *n, now);
+        st.record(*t, o, *n, now);
     }
     if let Some(w) = watermark {
         st.watermark_ms = st.watermark_ms.max(w);
@@ -774,7 +868,15 @@ fn refresh(
 fn emit_new(s: &Sched, st: &ScheduleStatus) {
     let old = &s.status.recent;
     for d in st.recent.iter().filter(|d| !old.contains(d)) {
-        emit(s, d.t, &d.o, d.j.as_deref(), d.n.max(1), "tick");
+        let kind = d.k.as_deref().unwrap_or("tick");
+        emit(
+            s,
+            d.t,
+            &d.o,
+            d.job_id(&s.rec.name).as_deref(),
+            d.n.max(1),
+            kind,
+        );
     }
 }
 
@@ -805,18 +907,24 @@ async fn alive(ctx: &Ctx, ids: &[String]) -> Result<Vec<String>, Stop> {
     if ids.is_empty() {
         return Ok(Vec::new());
     }
-    let w = ids
-        .iter()
-        .fold(Write::new(), |w, id| w.get(ctx.keys.job(id).registry));
-    match ctx.reads().commit(w).await {
-        Ok(crate::store::group::Outcome::Applied { response, .. }) => Ok(ids
+    let mut out = Vec::new();
+    // Within etcd's operations per transaction (128 by default).
+    for chunk in ids.chunks(100) {
+        let w = chunk
             .iter()
-            .zip(response.op_responses())
-            .filter(|(_, r)| matches!(r, TxnOpResponse::Get(g) if !g.kvs().is_empty()))
-            .map(|(id, _)| id.clone())
-            .collect()),
-        _ => Err(Stop::Retry),
+            .fold(Write::new(), |w, id| w.get(ctx.keys.job(id).registry));
+        match ctx.reads().commit(w).await {
+            Ok(crate::store::group::Outcome::Applied { response, .. }) => out.extend(
+                chunk
+                    .iter()
+                    .zip(response.op_responses())
+                    .filter(|(_, r)| matches!(r, TxnOpResponse::Get(g) if !g.kvs().is_empty()))
+                    .map(|(id, _)| id.clone()),
+            ),
+            _ => return Err(Stop::Retry),
+        }
     }
+    Ok(out)
 }
 
 /// The write that creates job `id` for tick `t` of `s` if its id is free (no compares on the
@@ -861,6 +969,16 @@ fn job_write(
     (w, record)
 }
 
+/// Records what became of a fire: a tick's outcome is counted, a trigger's only shown (it is
+/// not a tick).
+fn record_fire(st: &mut ScheduleStatus, f: &Fire, outcome: &str, now: u64) {
+    if f.kind == "tick" {
+        st.record(f.t, outcome, 1, now);
+    } else {
+        st.note(f.t, outcome, Some(f.kind), 1, now);
+    }
+}
+
 /// Fires one tick (or trigger) of `s` under its overlap policy, in one fenced write with the
 /// status.
 async fn fire_one(ctx: &Ctx, writer: &Writer, s: &mut Sched, f: Fire) -> Result<Fired, Stop> {
@@ -877,7 +995,7 @@ async fn fire_one(ctx: &Ctx, writer: &Writer, s: &mut Sched, f: Fire) -> Result<
     let mut st = status_with(s, &f.pre, f.watermark);
     if f.overlap == Overlap::Forbid && !live_now.is_empty() {
         st.live = live_now;
-        st.record(f.t, "skipped", None, 1, now);
+        st.record(f.t, "skipped", 1, now);
         // Only while those runs are still there: had one ended meanwhile, the tick could run.
         let w = st
             .live
@@ -932,11 +1050,12 @@ async fn fire_one(ctx: &Ctx, writer: &Writer, s: &mut Sched, f: Fire) -> Result<
     }
     st.live = live_now;
     st.live.push(f.id.clone());
-    let named = (f.kind != "tick").then(|| f.id.clone());
-    st.record(f.t, "fired", named.clone(), 1, now);
-    if f.kind == "trigger" {
-        st.last_trigger_ms = st.last_trigger_ms.max(f.t);
+    if f.overlap == Overlap::Allow && st.live.len() > LIVE_MAX {
+        // Nobody waits for them: the oldest drop off, so the status stays small.
+        let extra = st.live.len() - LIVE_MAX;
+        st.live.drain(..extra);
     }
+    record_fire(&mut st, &f, "fired", now);
     let status_key = keys.schedule_status(&s.rec.name);
     let k = keys.job(&f.id);
     let w = w
@@ -973,7 +1092,7 @@ async fn fire_one(ctx: &Ctx, writer: &Writer, s: &mut Sched, f: Fire) -> Result<
             }
             // The id is taken by a job this tick did not make: recorded, never run.
             let mut st = status_with(s, &f.pre, f.watermark);
-            st.record(f.t, "conflict", Some(f.id.clone()), 1, now);
+            record_fire(&mut st, &f, "conflict", now);
             let mut w = guarded(keys, s).put(keys.schedule_status(&s.rec.name), codec::encode(&st));
             if let Some((rk, rrev)) = &f.request {
                 w = w.when_modified(rk.clone(), *rrev).delete(rk.clone());
@@ -1001,9 +1120,9 @@ async fn fire_one(ctx: &Ctx, writer: &Writer, s: &mut Sched, f: Fire) -> Result<
 
 /// Deletes the clean results of each schedule's ticks beyond its newest `keep_results`
 /// (keys only: no value is read).
-async fn keep_results(ctx: &Ctx, writer: &Writer, scheds: &BTreeMap<String, Sched>) {
-    for s in scheds.values() {
-        let prefix = format!("{}{}-", ctx.keys.clean(), s.rec.name);
+async fn keep_results(ctx: &Ctx, writer: &Writer, scheds: &[(String, u32)]) {
+    for (name, keep) in scheds {
+        let prefix = format!("{}{name}-", ctx.keys.clean());
         let mut found: Vec<(Vec<u8>, i64)> = Vec::new();
         let mut after = String::new();
         loop {
@@ -1016,9 +1135,9 @@ async fn keep_results(ctx: &Ctx, writer: &Writer, scheds: &BTreeMap<String, Sche
                     continue;
                 };
                 after = rest.to_string();
-                let id = format!("{}-{rest}", s.rec.name);
+                let id = format!("{name}-{rest}");
                 if crate::schedule::is_reserved_id(&id)
-                    && id.rsplit_once('-').map(|(n, _)| n) == Some(s.rec.name.as_str())
+                    && id.rsplit_once('-').map(|(n, _)| n) == Some(name.as_str())
                 {
                     found.push((kv.key().to_vec(), kv.mod_revision()));
                 }
@@ -1027,7 +1146,7 @@ async fn keep_results(ctx: &Ctx, writer: &Writer, scheds: &BTreeMap<String, Sche
                 break;
             }
         }
-        let keep = s.rec.keep_results as usize;
+        let keep = *keep as usize;
         if found.len() <= keep {
             continue;
         }
@@ -1041,6 +1160,6 @@ async fn keep_results(ctx: &Ctx, writer: &Writer, scheds: &BTreeMap<String, Sche
                 return;
             }
         }
-        tracing::info!(schedule = %s.rec.name, deleted = extra, keep, "removed tick results beyond --keep-results");
+        tracing::info!(schedule = %name, deleted = extra, keep, "removed tick results beyond --keep-results");
     }
 }

@@ -106,13 +106,18 @@ pub(super) async fn transition(
     match decision {
         Decision::Idle | Decision::Stray => Outcome::Idle,
         Decision::Later(at) => Outcome::Later(at),
-        Decision::Assign => match pick {
-            Some(p) if job.job.record.spec.selects(&p.labels) => job.assign(fleet, p).await,
-            _ => Outcome::NeedSlot(
-                job.job.incarnation,
-                job.job.record.spec.worker_selector.clone(),
-            ),
-        },
+        Decision::Assign => {
+            if let Some(at) = job.after_pending().await {
+                return Outcome::Later(at);
+            }
+            match pick {
+                Some(p) if job.job.record.spec.selects(&p.labels) => job.assign(fleet, p).await,
+                _ => Outcome::NeedSlot(
+                    job.job.incarnation,
+                    job.job.record.spec.worker_selector.clone(),
+                ),
+            }
+        }
         Decision::Legacy => job.legacy().await,
         Decision::Cancel(why) => {
             let entry = job.job.entry.clone();
@@ -307,6 +312,31 @@ impl JobCtx<'_> {
                 Err(Outcome::Retry)
             }
         }
+    }
+
+    /// When to look again at a job that must wait for runs it replaces (a schedule's
+    /// `replace`), while one of them still has its registry entry: it waits holding no slot.
+    /// The assignment's own compares are what guarantee the order; this only spares slots and
+    /// writes that would fail.
+    async fn after_pending(&self) -> Option<u64> {
+        let after = &self.job.entry.after;
+        for chunk in after.chunks(100) {
+            let w = chunk
+                .iter()
+                .fold(Write::new(), |w, id| w.get(self.ctx.keys.job(id).registry));
+            match self.ctx.reads().commit(w).await {
+                Ok(crate::store::group::Outcome::Applied { response, .. }) => {
+                    let waiting = response.op_responses().into_iter().any(
+                        |r| matches!(r, etcd_client::TxnOpResponse::Get(g) if !g.kvs().is_empty()),
+                    );
+                    if waiting {
+                        return Some(records::now_ms() + 500);
+                    }
+                }
+                _ => return Some(records::now_ms() + 1000),
+            }
+        }
+        None
     }
 
     /// PENDING → RUNNING on worker `p`, with its assignment, in one transaction.

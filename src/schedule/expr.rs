@@ -27,6 +27,14 @@ const MAX_SHIFT_SECS: i64 = 3 * 3600;
 /// `0 0 30 2 *`, has no next tick).
 const HORIZON_SECS: i64 = 5 * 366 * 24 * 3600;
 
+/// The latest time a tick may fall on (Unix ms, the end of year 9999): stored times beyond it
+/// are corrupt.
+pub const MAX_MS: u64 = 253_402_300_799_000;
+
+/// Candidate local times one search looks at, at most (a pattern that matches rarely costs a
+/// few; this bounds a pathological one).
+const SEARCH_MAX: usize = 100_000;
+
 /// The shortest `@every` period.
 pub const EVERY_MIN: Duration = Duration::from_secs(1);
 
@@ -131,6 +139,9 @@ impl Timing {
 
     /// The first tick strictly after `after_ms` (Unix ms), if any within the horizon.
     pub fn next_after(&self, after_ms: u64) -> Option<u64> {
+        if after_ms >= MAX_MS {
+            return None;
+        }
         match &self.expr {
             Expr::Every(d) => {
                 let d = d.as_millis() as u64;
@@ -157,6 +168,37 @@ impl Timing {
             t = n;
         }
         (out, false)
+    }
+
+    /// The newest of the ticks in `(after_ms, until_ms]` and how many there are, counting at
+    /// most `cap` of them; with more, the newest of those counted and `true`.
+    pub fn last_and_count(
+        &self,
+        after_ms: u64,
+        until_ms: u64,
+        cap: u64,
+    ) -> (Option<u64>, u64, bool) {
+        if let Expr::Every(d) = &self.expr {
+            let d = d.as_millis() as u64;
+            let n = self.count(after_ms, until_ms, u64::MAX);
+            if n == 0 {
+                return (None, 0, false);
+            }
+            let first = self.next_after(after_ms).unwrap_or(after_ms);
+            let taken = n.min(cap);
+            return (Some(first + (taken - 1) * d), taken, n > cap);
+        }
+        let (mut last, mut n) = (None, 0);
+        let mut t = after_ms;
+        while let Some(x) = self.next_after(t).filter(|x| *x <= until_ms) {
+            if n == cap {
+                return (last, n, true);
+            }
+            n += 1;
+            last = Some(x);
+            t = x;
+        }
+        (last, n, false)
     }
 
     /// How many ticks fall in `(after_ms, until_ms]`, counting at most `cap`.
@@ -250,9 +292,11 @@ fn next_cron(cron: &Cron, every_pass: bool, tz: Tz, after_ms: u64) -> Option<u64
     // second pass of a repeated hour): start the search back by that fall, if one is near.
     let fall = (offset_ms(tz, after) - offset_ms(tz, after + shift)).max(0);
     let mut cursor = local - chrono::Duration::milliseconds(fall + 1000);
-    let limit = local + chrono::Duration::seconds(HORIZON_SECS);
+    let limit = local
+        .checked_add_signed(chrono::Duration::seconds(HORIZON_SECS))
+        .unwrap_or(NaiveDateTime::MAX);
     let mut best: Option<(i64, NaiveDateTime)> = None;
-    loop {
+    for _ in 0..SEARCH_MAX {
         let n = next_local(cron, cursor)?;
         if n > limit {
             break;

@@ -43,6 +43,9 @@ pub enum Error {
         expected: i64,
         actual: i64,
     },
+    /// Too many requests for one schedule in the same millisecond.
+    #[error("too many requests at once for schedule {0}; retry")]
+    Busy(String),
     #[error(transparent)]
     Store(#[from] store::Error),
     #[error(transparent)]

@@ -15,6 +15,9 @@ pub const REQUEST_VERSION: u32 = 1;
 
 /// Outcomes kept in a status, newest last.
 pub const RECENT_MAX: usize = 20;
+/// Live jobs a status lists at most: under `forbid` and `replace` there is one at a time;
+/// under `allow` the oldest drop off the list (they are neither waited for nor cancelled).
+pub const LIVE_MAX: usize = 4;
 
 /// When a new tick may start while earlier runs of the schedule are still live.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -116,14 +119,26 @@ pub struct Decided {
     pub t: u64,
     /// `fired`, `skipped`, `missed`, `superseded`, `paused`, `conflict`, `clock-skew`.
     pub o: String,
-    /// The job id, when it is not `<name>-<t>`.
+    /// `trigger` for a trigger (its job id is [`crate::schedule::trigger_id`] of `t`); a
+    /// tick's is [`crate::schedule::tick_id`] of `t`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub j: Option<String>,
+    pub k: Option<String>,
     /// How many ticks this entry stands for (older ones of the same outcome), when more than 1.
     #[serde(default, skip_serializing_if = "is_one")]
     pub n: u64,
     /// When it was decided, Unix ms.
     pub d: u64,
+}
+
+impl Decided {
+    /// The job this outcome is about, if it names one.
+    pub fn job_id(&self, schedule: &str) -> Option<String> {
+        match (self.k.as_deref(), self.o.as_str()) {
+            (Some("trigger"), _) => Some(super::trigger_id(schedule, self.t)),
+            (_, "fired" | "conflict") => Some(super::tick_id(schedule, self.t)),
+            _ => None,
+        }
+    }
 }
 
 fn is_one(n: &u64) -> bool {
@@ -142,14 +157,15 @@ pub struct ScheduleStatus {
     /// Jobs of this schedule that may still be live (pruned when their registry entry is gone).
     #[serde(default)]
     pub live: Vec<String>,
-    /// Ticks by outcome, since the schedule was created.
+    /// Ticks by outcome, since the schedule was created: they add up to the ticks between its
+    /// creation and the watermark (triggers and clock skews are not ticks, and not counted).
     #[serde(default)]
     pub counts: BTreeMap<String, u64>,
     #[serde(default)]
     pub recent: Vec<Decided>,
-    /// The latest trigger's time, Unix ms (trigger ids never repeat).
+    /// The watermark a clock skew was last noted at (noted once, whichever term finds it).
     #[serde(default)]
-    pub last_trigger_ms: u64,
+    pub skew_at: u64,
 }
 
 impl ScheduleStatus {
@@ -162,15 +178,21 @@ impl ScheduleStatus {
     }
 
     /// Records an outcome standing for `n` ticks, the newest at `t`.
-    pub fn record(&mut self, t: u64, outcome: &str, job: Option<String>, n: u64, now_ms: u64) {
+    pub fn record(&mut self, t: u64, outcome: &str, n: u64, now_ms: u64) {
         if n == 0 {
             return;
         }
         *self.counts.entry(outcome.to_string()).or_default() += n;
+        self.note(t, outcome, None, n, now_ms);
+    }
+
+    /// Shows an outcome among the recent ones without counting it as ticks (`kind`: a
+    /// trigger's).
+    pub fn note(&mut self, t: u64, outcome: &str, kind: Option<&str>, n: u64, now_ms: u64) {
         self.recent.push(Decided {
             t,
             o: outcome.to_string(),
-            j: job,
+            k: kind.map(str::to_string),
             n,
             d: now_ms,
         });
@@ -207,6 +229,10 @@ pub struct ScheduleRequest {
     pub schedule_rev: i64,
     pub requested_by: String,
     pub requested_at_ms: u64,
+    /// A backfill's progress: its ticks up to this Unix ms are done (written by the leader with
+    /// each tick's job).
+    #[serde(default)]
+    pub progress_ms: u64,
 }
 
 /// Durations stored as seconds.
@@ -239,12 +265,11 @@ mod tests {
             s.record(
                 1_790_000_000_000 + i,
                 "superseded",
-                None,
                 1000 + i,
                 1_790_000_000_123,
             );
         }
-        s.live = vec!["nightly-backup-20261205T203000Z".into(); 3];
+        s.live = vec![format!("{}-20261205T203000.000Z", "n".repeat(96)); 3];
         let bytes = crate::store::codec::encode(&s).len();
         assert!(bytes < 2048, "{bytes} bytes");
         assert_eq!(s.recent.len(), RECENT_MAX);

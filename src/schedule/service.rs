@@ -219,9 +219,17 @@ async fn read(
 /// The status a key holds if it is about the definition created at `create_rev`; else an
 /// empty one (a stale or corrupt status is the leader's to replace).
 pub fn fresh_status(kv: Option<&etcd_client::KeyValue>, create_rev: i64) -> ScheduleStatus {
-    kv.and_then(|kv| codec::decode::<ScheduleStatus>(kv.key(), kv.value(), STATUS_VERSION).ok())
-        .filter(|s| s.schedule_rev == create_rev)
-        .unwrap_or_else(|| ScheduleStatus::new(create_rev))
+    kv.and_then(|kv| {
+        let s = codec::decode::<ScheduleStatus>(kv.key(), kv.value(), STATUS_VERSION).ok()?;
+        if s.watermark_ms > expr::MAX_MS || s.skew_at > expr::MAX_MS {
+            codec::note_corrupt();
+            tracing::error!(key = %String::from_utf8_lossy(kv.key()), "a schedule status holds times out of range; replacing it");
+            return None;
+        }
+        Some(s)
+    })
+    .filter(|s| s.schedule_rev == create_rev)
+    .unwrap_or_else(|| ScheduleStatus::new(create_rev))
 }
 
 /// One schedule as it stands, with its next 5 fire times and its recent jobs' states.
@@ -242,7 +250,7 @@ fn named_jobs(name: &str, s: &ScheduleStatus) -> Vec<String> {
         .recent
         .iter()
         .filter(|d| d.o == "fired")
-        .map(|d| d.j.clone().unwrap_or_else(|| super::tick_id(name, d.t)))
+        .filter_map(|d| d.job_id(name))
         .chain(s.live.iter().cloned())
         .collect();
     ids.sort();
@@ -382,6 +390,18 @@ pub async fn list(store: &Store, keys: &Keys) -> Result<Vec<View>, Error> {
     views(store, keys, found).await
 }
 
+/// Why a write that compared revision `expected` failed: the schedule went, or changed.
+async fn changed(store: &Store, keys: &Keys, name: &str, expected: i64) -> Error {
+    match read(store, keys, name).await {
+        Ok((_, actual, _, _)) => Error::Changed {
+            name: name.to_string(),
+            expected,
+            actual,
+        },
+        Err(e) => e,
+    }
+}
+
 /// Reads the definition, changes it with `f`, and writes it only if nobody changed it since
 /// (or since `if_revision`, when not 0).
 async fn modify(
@@ -410,11 +430,7 @@ async fn modify(
         .timed("update schedule", c.txn(write.into_txn()))
         .await?;
     if !resp.succeeded() {
-        return Err(Error::Changed {
-            name: name.to_string(),
-            expected: rev,
-            actual: 0,
-        });
+        return Err(changed(store, keys, name, rev).await);
     }
     get(store, keys, name).await
 }
@@ -431,6 +447,7 @@ pub async fn update(
     modify(store, keys, name, if_revision, |r| {
         let now = super::clock::now_ms();
         let old_every = every(&r.cron);
+        let old_timing = (r.cron.clone(), r.tz.clone());
         if let Some(spec) = changes.spec {
             r.spec = spec;
         }
@@ -455,8 +472,12 @@ pub async fn update(
         if every(&r.cron) != old_every {
             r.anchor_ms = anchor(now);
         }
-        r.floor_ms = r.floor_ms.max(now);
-        r.resumed = false;
+        // New timing starts now: ticks of the past, under either timing, never fire for it
+        // (the leader counts those it had not decided as superseded).
+        if (r.cron.clone(), r.tz.clone()) != old_timing {
+            r.floor_ms = r.floor_ms.max(now);
+            r.resumed = false;
+        }
         check(r, retention)
     })
     .await
@@ -527,11 +548,7 @@ pub async fn delete(
         .timed("delete schedule", c.txn(write.into_txn()))
         .await?;
     if !resp.succeeded() {
-        return Err(Error::Changed {
-            name: name.to_string(),
-            expected: rev,
-            actual: 0,
-        });
+        return Err(changed(store, keys, name, rev).await);
     }
     let mut cancelled = Vec::new();
     if cancel_running {
@@ -554,6 +571,7 @@ async fn request(
     kind: RequestKind,
     by: &str,
 ) -> Result<u64, Error> {
+    let trigger = kind == RequestKind::Trigger;
     let (_, _, create_rev, _) = read(store, keys, name).await?;
     let first = super::clock::now_ms();
     for at in first..first + 100 {
@@ -563,12 +581,22 @@ async fn request(
             schedule_rev: create_rev,
             requested_by: by.to_string(),
             requested_at_ms: at,
+            progress_ms: 0,
         };
         let key = keys.schedule_request(name, &at.to_string());
-        let write = Write::new()
+        let mut write = Write::new()
             .when_created(keys.schedule(name), create_rev)
-            .when_absent(key.clone())
-            .put(key, codec::encode(&req));
+            .when_absent(key.clone());
+        if trigger {
+            // The id the caller is told must be free: no job or result of it, ever kept.
+            let k = keys.job(&super::trigger_id(name, at));
+            write = write
+                .when_absent(k.spec)
+                .when_absent(k.registry)
+                .when_absent(k.dirty)
+                .when_absent(k.clean);
+        }
+        let write = write.put(key, codec::encode(&req));
         let mut c = store.client();
         let resp = store
             .timed("schedule request", c.txn(write.into_txn()))
@@ -581,7 +609,52 @@ async fn request(
             return Err(Error::NotFound(name.to_string()));
         }
     }
-    Err(invalid("name", "too many requests at once for this schedule").into())
+    Err(Error::Busy(name.to_string()))
+}
+
+/// The oldest tick whose run is still known: results older than the result retention are
+/// gone, and with `keep_results` of them kept the sweep may have removed older ones.
+async fn kept_since(
+    store: &Store,
+    keys: &Keys,
+    record: &ScheduleRecord,
+    retention: Retention,
+) -> Result<u64, Error> {
+    let by_time = super::clock::now_ms().saturating_sub(retention.results.as_millis() as u64);
+    let prefix = format!("{}{}-", keys.clean(), record.name);
+    let mut first: Option<u64> = None;
+    let mut n: u64 = 0;
+    let mut after = String::new();
+    loop {
+        let range = jobs::Range::after(&prefix, &after);
+        let (page, _) = jobs::page(store, range, 1000, 0, true).await?;
+        for kv in &page {
+            let Some(rest) = Keys::id_in(&prefix, kv.key()) else {
+                continue;
+            };
+            after = rest.to_string();
+            let id = format!("{}-{rest}", record.name);
+            if !super::is_reserved_id(&id)
+                || id.rsplit_once('-').map(|(n, _)| n) != Some(&record.name)
+            {
+                continue;
+            }
+            n += 1;
+            if first.is_none() {
+                let t = rest.trim_end_matches('Z').replace('.', "");
+                first = chrono::NaiveDateTime::parse_from_str(&t[..15], "%Y%m%dT%H%M%S")
+                    .ok()
+                    .map(|d| d.and_utc().timestamp_millis() as u64);
+            }
+        }
+        if page.len() < 1000 {
+            break;
+        }
+    }
+    Ok(match first {
+        Some(f) if n >= record.keep_results as u64 => by_time.max(f),
+        _ => by_time,
+    })
 }
 
 /// Asks the leader for one run now; returns the job id it will have.
@@ -617,14 +690,15 @@ pub async fn backfill(
     if to_ms <= from_ms {
         return Err(invalid("to", "must be after from").into());
     }
-    let kept_since = super::clock::now_ms().saturating_sub(retention.results.as_millis() as u64);
+    let kept_since = kept_since(store, keys, &record, retention).await?;
     if from_ms < kept_since && !force {
         return Err(invalid(
             "from",
             format!(
-                "ticks before {} are older than the kept results ({}), so whether they ran is not known; --force runs them anyway (at least once, not at most once)",
+                "ticks before {} are older than the kept results (--result-retention {}, --keep-results {}), so whether they ran is not known; --force runs them anyway (at least once, not at most once)",
                 expr::rfc3339(kept_since),
-                humantime::format_duration(retention.results)
+                humantime::format_duration(retention.results),
+                record.keep_results
             ),
         )
         .into());
