@@ -23,6 +23,11 @@
 //!
 //! - **Revisions** are renamed to ranks after each step ([`ranks`]), so runs that differ only
 //!   in how many revisions etcd counted meet in one state.
+//! - **A schedule** (optional, [`BatonModel::with_schedule`]): its ticks come due in any order
+//!   with every other step; a leader fires the latest due tick with the code's own decision and
+//!   write ([`fire::plan`]), which may land late like any leader write, and its tick's job then
+//!   runs like any other. Checked: each tick's job is created at most once, never at or before
+//!   the watermark, and under `forbid` and `replace` two runs never overlap.
 
 use std::collections::BTreeMap;
 
@@ -32,6 +37,10 @@ use baton::jobs::work::{
     AttemptRecord, AttemptState, WorkerRecord, ATTEMPT_VERSION, WORKER_VERSION,
 };
 use baton::jobs::{self, records::RegistryEntry, records::TerminalStatus};
+use baton::schedule::fire::{self, Fire, Known, Plan};
+use baton::schedule::record::{
+    Catchup, Overlap, ScheduleRecord, ScheduleStatus, SCHEDULE_VERSION, STATUS_VERSION,
+};
 use baton::store::mem::MemEtcd;
 use baton::store::{codec, Cond, Effect, Keys, Write};
 use baton::worker::writes;
@@ -94,6 +103,12 @@ pub struct Mutations {
     pub no_revoke: bool,
     /// A keepalive's proof counts from its answer's arrival, not from when it was sent.
     pub proof_from_answer: bool,
+    /// A schedule's fire write loses its compares on the status and its tick's id (a leader
+    /// that lost a fire's answer then fires the tick again from what it remembered).
+    pub no_tick_guards: bool,
+    /// Assignments lose their compares on the runs they wait `after` (a `replace` then
+    /// overlaps).
+    pub no_after: bool,
 }
 
 /// The model's bounds.
@@ -109,6 +124,12 @@ pub struct BatonModel {
     pub mutations: Mutations,
     /// Faults may hit every replica and worker, not only replica 0 and worker 0 (larger).
     pub everywhere: bool,
+    /// A schedule `s` (`@every 1s`) with this overlap policy and this many ticks, besides the
+    /// submitted jobs.
+    pub schedule: Option<(Overlap, u8)>,
+    /// A leader write about the schedule may land with its answer lost (an etcd timeout): the
+    /// leader then decides again from what it remembered.
+    pub lost_answers: bool,
     keys: Keys,
 }
 
@@ -122,8 +143,32 @@ impl BatonModel {
             budget: 0,
             mutations: Mutations::default(),
             everywhere: false,
+            schedule: None,
+            lost_answers: false,
             keys: Keys::new("m"),
         }
+    }
+
+    /// A schedule whose `ticks` ticks its leaders fire (under `overlap`).
+    pub fn with_schedule(mut self, overlap: Overlap, ticks: u8) -> BatonModel {
+        self.schedule = Some((overlap, ticks));
+        self
+    }
+
+    /// Fire answers may be lost.
+    pub fn with_lost_answers(mut self) -> BatonModel {
+        self.lost_answers = true;
+        self
+    }
+
+    /// Submitted jobs, then the schedule's tick jobs.
+    pub fn all_jobs(&self) -> u8 {
+        self.jobs + self.schedule.map_or(0, |(_, t)| t)
+    }
+
+    /// The tick a job index stands for (1-based), if it is a tick job.
+    fn tick_of(&self, j: u8) -> Option<u8> {
+        (j >= self.jobs).then(|| j - self.jobs + 1)
     }
 
     pub fn with_faults(mut self, faults: &[FaultKind], budget: u8) -> BatonModel {
@@ -143,8 +188,11 @@ impl BatonModel {
         self
     }
 
-    fn job_id(j: u8) -> String {
-        format!("j{j}")
+    pub fn job_id(&self, j: u8) -> String {
+        match self.tick_of(j) {
+            Some(k) => baton::schedule::tick_id("s", tick_ms(k)),
+            None => format!("j{j}"),
+        }
     }
 
     fn worker_id(w: u8) -> String {
@@ -194,6 +242,10 @@ pub struct InFlight {
     pub fence: Option<i64>,
     /// The jobs whose result it writes.
     pub results: Vec<u8>,
+    /// The schedule's tick whose job it creates (0: none).
+    pub fires: u8,
+    /// A write about the schedule's status: its answer updates what the leader remembers.
+    pub about_status: bool,
 }
 
 /// A gone worker incarnation, as a leader follows it.
@@ -212,6 +264,9 @@ pub struct Replica {
     pub outbox: Option<InFlight>,
     /// Gone worker incarnations (by create revision) this term follows.
     pub gone: BTreeMap<i64, Gone>,
+    /// What this term remembers of the schedule's status: its value and mod revision (read at
+    /// the term's start, then what its own writes' answers say).
+    pub sched: Option<(Vec<u8>, i64)>,
 }
 
 /// A worker incarnation.
@@ -262,6 +317,10 @@ pub struct State {
     pub faults_left: u8,
     /// Results written per job.
     pub results: Vec<u8>,
+    /// The schedule's ticks that have come due (the wall clock has passed them).
+    pub due: u8,
+    /// Creations of each tick's job.
+    pub fired: Vec<u8>,
     /// An invariant broken at a step (kept: every later state shows it).
     pub broken: Option<&'static str>,
 }
@@ -287,7 +346,13 @@ pub enum Action {
     Answer(u8),
     StepDown(u8),
     Act(u8, u8, Pick),
+    /// The schedule's next tick comes due.
+    Due,
+    /// Leader `.0` fires the schedule's latest due tick.
+    Fire(u8),
     Land(u8),
+    /// A write about the schedule lands, and its answer is lost.
+    LandLost(u8),
     Register(u8),
     WorkerKeepAlive(u8),
     /// Its answer arrives, with the worker's own key read back after it was sent.
@@ -340,6 +405,11 @@ fn ms(ticks: u8) -> u64 {
     u64::from(ticks) * 1000
 }
 
+/// The time of the schedule's tick `k` (`@every 1s` from 0), Unix ms.
+fn tick_ms(k: u8) -> u64 {
+    u64::from(k) * 1000
+}
+
 impl State {
     fn lease_alive(&self, lease: i64) -> bool {
         self.countdown.contains_key(&lease)
@@ -374,7 +444,7 @@ impl State {
     }
 
     fn has_result(&self, m: &BatonModel, j: u8) -> bool {
-        let k = m.keys.job(&BatonModel::job_id(j));
+        let k = m.keys.job(&m.job_id(j));
         self.etcd.get(k.dirty.as_bytes()).is_some() || self.etcd.get(k.clean.as_bytes()).is_some()
     }
 
@@ -425,7 +495,7 @@ impl BatonModel {
     fn initial(&self) -> State {
         let mut etcd = MemEtcd::new();
         for j in 0..self.jobs {
-            let id = Self::job_id(j);
+            let id = self.job_id(j);
             let spec =
                 JobSpec::resolve(vec!["true".into()], Default::default(), Vec::new(), 0, None)
                     .expect("a valid spec");
@@ -452,9 +522,40 @@ impl BatonModel {
             replicas: vec![Replica::default(); self.replicas as usize],
             workers: vec![Worker::default(); self.workers as usize],
             faults_left: self.budget,
-            results: vec![0; self.jobs as usize],
+            results: vec![0; self.all_jobs() as usize],
+            due: 0,
+            fired: vec![0; self.schedule.map_or(0, |(_, t)| t) as usize],
             broken: None,
         };
+        if let Some((overlap, _)) = self.schedule {
+            let spec =
+                JobSpec::resolve(vec!["true".into()], Default::default(), Vec::new(), 0, None)
+                    .expect("a valid spec");
+            let rec = ScheduleRecord {
+                version: SCHEDULE_VERSION,
+                name: "s".into(),
+                spec,
+                cron: "@every 1s".into(),
+                tz: "UTC".into(),
+                overlap,
+                catchup: Catchup::Latest,
+                catchup_window: Duration::from_secs(600),
+                keep_results: 1000,
+                anchor_ms: 0,
+                floor_ms: 0,
+                paused: false,
+                pause_reason: None,
+                resumed: false,
+                created_by: "model".into(),
+                created_at_ms: 0,
+                updated_at_ms: 0,
+            };
+            let key = self.keys.schedule("s");
+            let create = Write::new()
+                .when_absent(key.clone())
+                .put(key, codec::encode(&rec));
+            assert!(s.etcd.apply(&create, None));
+        }
         // The cluster as it starts: replica 0 leads, every worker is registered. (Which one
         // wins first is a renaming; starting from one order keeps the space small.)
         for a in std::iter::once(Action::Campaign(0)).chain((0..self.workers).map(Action::Register))
@@ -486,7 +587,7 @@ impl BatonModel {
         let Some(lead) = s.replicas[r].lead.clone() else {
             return false;
         };
-        let id = Self::job_id(j);
+        let id = self.job_id(j);
         let Ok(snap) = jobs::snapshot_in(&self.keys, &s.etcd, &id) else {
             return false;
         };
@@ -532,12 +633,25 @@ impl BatonModel {
             } else {
                 write
             };
+            let write = if self.mutations.no_after {
+                // Every compare on another job's registry entry: the runs it waits `after`.
+                let own = self.keys.job(&id).registry;
+                let registry = self.keys.registry();
+                write.without(|c| {
+                    matches!(c, Cond::Absent(k)
+                        if k.starts_with(registry.as_bytes()) && k != own.as_bytes())
+                })
+            } else {
+                write
+            };
             s.replicas[r].outbox = Some(InFlight {
                 conds: write.conds().to_vec(),
                 effects: write.effects().to_vec(),
                 term,
                 fence: (!self.mutations.no_fence).then_some(term),
                 results,
+                fires: 0,
+                about_status: false,
             });
             true
         };
@@ -622,7 +736,7 @@ impl BatonModel {
             return false;
         };
         let wid = Self::worker_id(w as u8);
-        let id = Self::job_id(j);
+        let id = self.job_id(j);
         let akey = self.keys.assignment(&wid, inc.rev, &id);
         let Some(token) = s.etcd.get(akey.as_bytes()).map(|kv| kv.modified) else {
             return false;
@@ -673,7 +787,7 @@ impl BatonModel {
     fn report(&self, s: &mut State, w: usize, g: usize) -> bool {
         let guard = s.workers[w].guards[g].clone();
         let wid = Self::worker_id(w as u8);
-        let id = Self::job_id(guard.job);
+        let id = self.job_id(guard.job);
         let rev = guard.inc;
         let akey = self.keys.assignment(&wid, rev, &id);
         let record = self.keys.attempt(&id, guard.token);
@@ -755,11 +869,17 @@ impl Model for BatonModel {
         if !s.urgent() {
             out.push(Action::Tick);
         }
+        if self.schedule.is_some_and(|(_, t)| s.due < t) {
+            out.push(Action::Due);
+        }
         let election = s.etcd.get(self.election().as_bytes()).is_some();
         for (i, r) in s.replicas.iter().enumerate() {
             let i = i as u8;
             if r.outbox.is_some() {
                 out.push(Action::Land(i));
+                if self.lost_answers && r.outbox.as_ref().is_some_and(|o| o.about_status) {
+                    out.push(Action::LandLost(i));
+                }
             }
             if !r.host.runs() {
                 continue;
@@ -782,7 +902,10 @@ impl Model for BatonModel {
                         out.push(Action::Answer(i));
                     }
                     if !r.host.cut && r.outbox.is_none() {
-                        for j in 0..self.jobs {
+                        if self.schedule.is_some() {
+                            out.push(Action::Fire(i));
+                        }
+                        for j in 0..self.all_jobs() {
                             out.push(Action::Act(i, j, Pick::Any));
                             out.push(Action::Act(i, j, Pick::TakeBack));
                             for w in 0..self.workers {
@@ -840,7 +963,7 @@ impl Model for BatonModel {
                         out.push(Action::WorkerAnswer(i));
                     }
                     out.push(Action::WatchSelf(i));
-                    for j in 0..self.jobs {
+                    for j in 0..self.all_jobs() {
                         out.push(Action::Take(i, j));
                     }
                 }
@@ -944,6 +1067,12 @@ impl BatonModel {
                     renewal: None,
                 });
                 rep.gone.clear();
+                let status_key = self.keys.schedule_status("s");
+                let mem = s
+                    .etcd
+                    .get(status_key.as_bytes())
+                    .map(|kv| (kv.value.clone(), kv.modified));
+                s.replicas[r as usize].sched = self.schedule.map(|_| mem.unwrap_or_default());
                 true
             }
             Action::KeepAlive(r) => {
@@ -974,19 +1103,47 @@ impl BatonModel {
                 true
             }
             Action::Act(r, j, pick) => self.act(&mut s, r as usize, j, pick),
-            Action::Land(r) => {
+            Action::Due => {
+                s.due += 1;
+                true
+            }
+            Action::Fire(r) => self.fire(&mut s, r as usize),
+            Action::Land(r) | Action::LandLost(r) => {
                 let f = s.replicas[r as usize].outbox.take()?;
+                let heard = matches!(action, Action::Land(_));
+                let before_wm = self.status(&s.etcd).1.watermark_ms;
                 let fence = f
                     .fence
                     .map(|rev| Cond::Created(self.election().into_bytes(), rev));
-                if s.etcd.apply_parts(&f.conds, &f.effects, fence.as_ref()) {
+                let applied = s.etcd.apply_parts(&f.conds, &f.effects, fence.as_ref());
+                if f.about_status && heard && s.replicas[r as usize].sched.is_some() {
+                    // The answer: its own status as written, or etcd's as it read it.
+                    let key = self.keys.schedule_status("s");
+                    let mem = s
+                        .etcd
+                        .get(key.as_bytes())
+                        .map(|kv| (kv.value.clone(), kv.modified))
+                        .unwrap_or_default();
+                    s.replicas[r as usize].sched = Some(mem);
+                }
+                if applied {
+                    if f.fires > 0 {
+                        let k = f.fires as usize - 1;
+                        s.fired[k] += 1;
+                        if s.fired[k] > 1 {
+                            s.break_with("a tick's job was created twice");
+                        }
+                        if before_wm >= tick_ms(f.fires) {
+                            s.break_with("a tick fired at or before the watermark");
+                        }
+                    }
                     let current = s.etcd.get(self.election().as_bytes()).map(|kv| kv.create);
                     if current != Some(f.term) {
                         s.break_with("a leader write applied outside the current term");
                     }
                     let assigns = self.keys.assignments();
-                    for j in 0..self.jobs {
-                        let tail = format!("/{}", Self::job_id(j));
+                    for j in 0..self.all_jobs() {
+                        let tail = format!("/{}", self.job_id(j));
                         let assigned = f.effects.iter().any(|e| {
                             matches!(e, Effect::Put(k, _, _)
                                 if k.starts_with(assigns.as_bytes()) && k.ends_with(tail.as_bytes()))
@@ -1099,7 +1256,7 @@ impl BatonModel {
             Action::Kill(w, g) | Action::Revoked(w, g) => {
                 if let Action::Revoked(..) = action {
                     let guard = &s.workers[w as usize].guards[g as usize];
-                    let id = Self::job_id(guard.job);
+                    let id = self.job_id(guard.job);
                     let akey = self.keys.assignment(&Self::worker_id(w), guard.inc, &id);
                     let stands = s
                         .etcd
@@ -1175,7 +1332,16 @@ fn properties() -> Vec<Property<BatonModel>> {
         ),
         Property::always(
             "at most one execution of a job runs",
-            |m: &BatonModel, s: &State| (0..m.jobs).all(|j| s.running(j) <= 1),
+            |m: &BatonModel, s: &State| (0..m.all_jobs()).all(|j| s.running(j) <= 1),
+        ),
+        Property::always(
+            "a forbid or replace schedule runs one tick at a time",
+            |m: &BatonModel, s: &State| match m.schedule {
+                Some((Overlap::Forbid | Overlap::Replace, _)) => {
+                    (m.jobs..m.all_jobs()).filter(|j| s.running(*j) > 0).count() <= 1
+                }
+                _ => true,
+            },
         ),
         Property::always("at most one result per job", |_, s: &State| {
             s.results.iter().all(|n| *n <= 1)
@@ -1189,7 +1355,109 @@ fn properties() -> Vec<Property<BatonModel>> {
         Property::sometimes("every job gets a result", |m: &BatonModel, s: &State| {
             (0..m.jobs).all(|j| s.has_result(m, j))
         }),
+        Property::sometimes(
+            "the schedule's last tick is decided and its job finished",
+            |m: &BatonModel, s: &State| match m.schedule {
+                Some((_, t)) => {
+                    m.status(&s.etcd).1.watermark_ms == tick_ms(t)
+                        && s.has_result(m, m.all_jobs() - 1)
+                }
+                None => true,
+            },
+        ),
     ]
+}
+
+impl BatonModel {
+    /// The schedule's definition (with its revisions) and its status as etcd holds them.
+    fn status(&self, etcd: &MemEtcd) -> (Option<(ScheduleRecord, i64, i64)>, ScheduleStatus, i64) {
+        let def = etcd.get(self.keys.schedule("s").as_bytes()).and_then(|kv| {
+            let rec = codec::decode(b"s", &kv.value, SCHEDULE_VERSION).ok()?;
+            Some((rec, kv.modified, kv.create))
+        });
+        let create = def.as_ref().map_or(0, |d| d.2);
+        let kv = etcd.get(self.keys.schedule_status("s").as_bytes());
+        let status = kv
+            .and_then(|kv| codec::decode::<ScheduleStatus>(b"s", &kv.value, STATUS_VERSION).ok())
+            .filter(|st| st.schedule_rev == create)
+            .unwrap_or_else(|| ScheduleStatus::new(create));
+        (def, status, kv.map_or(0, |kv| kv.modified))
+    }
+
+    /// Leader `r` fires the latest due tick after the watermark (catch-up `latest`): the
+    /// code's decision and write, sent like any leader write.
+    fn fire(&self, s: &mut State, r: usize) -> bool {
+        let Some((overlap, _)) = self.schedule else {
+            return false;
+        };
+        let Some(lead) = s.replicas[r].lead.clone() else {
+            return false;
+        };
+        let (Some((rec, rev, create)), ..) = self.status(&s.etcd) else {
+            return false;
+        };
+        // What this term remembers of the status, as the code's leader decides from.
+        let Some((mem, status_rev)) = s.replicas[r].sched.clone() else {
+            return false;
+        };
+        let status = codec::decode::<ScheduleStatus>(b"s", &mem, STATUS_VERSION)
+            .ok()
+            .filter(|st| st.schedule_rev == create)
+            .unwrap_or_else(|| ScheduleStatus::new(create));
+        let done = (status.watermark_ms / 1000) as u8;
+        if s.due <= done {
+            return false;
+        }
+        let k = s.due;
+        let mut pre = Vec::new();
+        if k - done > 1 {
+            pre.push((tick_ms(k - 1), "superseded", u64::from(k - done - 1)));
+        }
+        let alive: Vec<String> = status
+            .live
+            .iter()
+            .filter(|id| s.etcd.get(self.keys.job(id).registry.as_bytes()).is_some())
+            .cloned()
+            .collect();
+        let f = Fire {
+            t: tick_ms(k),
+            id: baton::schedule::tick_id("s", tick_ms(k)),
+            kind: "tick",
+            overlap,
+            pre,
+            watermark: Some(tick_ms(k)),
+            request: None,
+        };
+        let known = Known {
+            rec: &rec,
+            rev,
+            create,
+            status: &status,
+            status_rev,
+        };
+        let (write, fires) = match fire::plan(&self.keys, &known, &f, &alive, 0) {
+            Plan::Skip { write, .. } => (write, 0),
+            Plan::Create { write, .. } => (write, k),
+        };
+        let write = if self.mutations.no_tick_guards {
+            let status_key = self.keys.schedule_status("s");
+            let j = self.keys.job(&f.id);
+            let guarded = [status_key, j.spec, j.registry, j.dirty, j.clean];
+            write.without(|c| guarded.iter().any(|g| c.key() == g.as_bytes()))
+        } else {
+            write
+        };
+        s.replicas[r].outbox = Some(InFlight {
+            conds: write.conds().to_vec(),
+            effects: write.effects().to_vec(),
+            term: lead.fence,
+            fence: (!self.mutations.no_fence).then_some(lead.fence),
+            results: Vec::new(),
+            fires,
+            about_status: true,
+        });
+        true
+    }
 }
 
 /// Every state reachable from the initial one, and whether each can still reach "every job

@@ -21,7 +21,14 @@ use serde_json::Value;
 use crate::State;
 
 /// Fields of stored values that hold a revision.
-const REVISION_FIELDS: [&str; 4] = ["term", "worker_rev", "stage_term", "token"];
+const REVISION_FIELDS: [&str; 6] = [
+    "term",
+    "worker_rev",
+    "stage_term",
+    "token",
+    "schedule_rev",
+    "schedule_revision",
+];
 
 /// Renames every revision in `s` to its rank among them (0, "none", stays 0); etcd's counter
 /// becomes the highest rank, so the next write is still newer than everything.
@@ -79,6 +86,10 @@ fn visit(keys: &Keys, s: &mut State, f: &mut dyn FnMut(&mut i64)) {
                     Effect::Delete(k) | Effect::DeletePrefix(k) => in_key(keys, k, f),
                 }
             }
+        }
+        if let Some((value, rev)) = &mut r.sched {
+            in_value(value, f);
+            f(rev);
         }
         let gone = std::mem::take(&mut r.gone);
         for (mut rev, g) in gone {

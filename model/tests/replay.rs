@@ -113,7 +113,8 @@ fn a_drill_history_replays_with_every_step_enabled_and_every_invariant_held() {
     let (summary, found) = check(history());
     println!("{summary:#?}");
     assert!(found.is_empty(), "{found:#?}");
-    assert_eq!(summary.results, 30, "{summary:?}");
+    // The drill's 30 jobs, and the jobs of its schedules' ticks.
+    assert!(summary.results > 30, "{summary:?}");
     // Every job ran (a worker killed mid-run restarts one, if the kill found it running).
     assert!(summary.executions >= 30, "{summary:?}");
     assert!(summary.started_records >= summary.executions, "{summary:?}");

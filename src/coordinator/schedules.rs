@@ -24,13 +24,13 @@ use tracing::Instrument;
 
 use super::{Ctx, Writer};
 use crate::election::{Commit, FenceError};
-use crate::jobs::records::{self, CancelRequest, RegistryEntry};
-use crate::jobs::spec::{JobRecord, TickOrigin};
+use crate::jobs::records;
 use crate::metrics;
 use crate::schedule::expr::{self, Timing};
+use crate::schedule::fire::{self, Fire, Known, Plan};
 use crate::schedule::record::{
-    Catchup, Overlap, RequestKind, ScheduleRecord, ScheduleRequest, ScheduleStatus, LIVE_MAX,
-    REQUEST_VERSION, SCHEDULE_VERSION, STATUS_VERSION,
+    Catchup, Overlap, RequestKind, ScheduleRecord, ScheduleRequest, ScheduleStatus,
+    REQUEST_VERSION, SCHEDULE_VERSION,
 };
 use crate::schedule::{clock, service, tick_id, trigger_id};
 use crate::store::{codec, Keys, Write};
@@ -513,19 +513,6 @@ enum Fired {
     Replan,
 }
 
-/// One job to create for schedule `s`.
-struct Fire {
-    t: u64,
-    id: String,
-    kind: &'static str,
-    overlap: Overlap,
-    /// Outcomes of earlier ticks recorded in the same write: (newest tick, outcome, count).
-    pre: Vec<(u64, &'static str, u64)>,
-    watermark: Option<u64>,
-    /// The request this fire answers (deleted with it), with its mod revision.
-    request: Option<(String, i64)>,
-}
-
 async fn requests(
     ctx: &Ctx,
     writer: &Writer,
@@ -606,7 +593,15 @@ async fn backfill(
             progress_ms: t,
             ..req.clone()
         };
-        let (job, _) = job_write(ctx, s, &id, t, "backfill", Vec::new());
+        let (job, _) = fire::job_write(
+            &ctx.keys,
+            &s.known(),
+            &id,
+            t,
+            "backfill",
+            Vec::new(),
+            records::now_ms(),
+        );
         let w = Write::new()
             .when_modified(key.to_string(), rev)
             .put(key.to_string(), codec::encode(&progress))
@@ -761,36 +756,6 @@ async fn counted(timing: &Timing, after: u64, until: u64) -> (Option<u64>, u64, 
         .unwrap_or((None, 0, false))
 }
 
-/// The status after recording `outcomes`, the watermark moved to `watermark` if later.
-fn status_with(
-    s: &Sched,
-    outcomes: &[(u64, &'static str, u64)],
-    watermark: Option<u64>,
-) -> ScheduleStatus {
-    let now = clock::now_ms();
-    let mut st = s.status.clone();
-    st.version = STATUS_VERSION;
-    st.schedule_rev = s.create;
-    for (t, o, n) in outcomes {
-        st.record(*t, o, *n, now);
-    }
-    if let Some(w) = watermark {
-        st.watermark_ms = st.watermark_ms.max(w);
-    }
-    st
-}
-
-/// The compares every write about `s` makes: its definition and its status as known.
-fn guarded(keys: &Keys, s: &Sched) -> Write {
-    let w = Write::new().when_modified(keys.schedule(&s.rec.name), s.rev);
-    let status = keys.schedule_status(&s.rec.name);
-    if s.status_rev == 0 {
-        w.when_absent(status)
-    } else {
-        w.when_modified(status, s.status_rev)
-    }
-}
-
 /// Commits a write that needs no answer but success or failure.
 async fn commit(writer: &Writer, w: Write) -> Result<bool, Stop> {
     match writer.commit(w).await {
@@ -811,7 +776,7 @@ async fn status_only(
     st: ScheduleStatus,
 ) -> Result<bool, Stop> {
     let key = keys.schedule_status(&s.rec.name);
-    let w = guarded(keys, s)
+    let w = fire::guarded(keys, &s.known())
         .put(key.clone(), codec::encode(&st))
         .or_get(keys.schedule(&s.rec.name))
         .or_get(key);
@@ -927,197 +892,6 @@ async fn alive(ctx: &Ctx, ids: &[String]) -> Result<Vec<String>, Stop> {
     Ok(out)
 }
 
-/// The write that creates job `id` for tick `t` of `s` if its id is free (no compares on the
-/// schedule), and the job's record.
-fn job_write(
-    ctx: &Ctx,
-    s: &Sched,
-    id: &str,
-    t: u64,
-    kind: &str,
-    after: Vec<String>,
-) -> (Write, JobRecord) {
-    let mut spec = s.rec.spec.clone();
-    spec.env.insert("BATON_SCHEDULE".into(), s.rec.name.clone());
-    spec.env
-        .insert("BATON_SCHEDULED_TIME".into(), expr::rfc3339(t));
-    let record = JobRecord {
-        version: spec.record_version(),
-        job_id: id.to_string(),
-        spec_hash: spec.hash(),
-        spec,
-        submitted_at_ms: records::now_ms(),
-        submitted_by: Some(format!("schedule:{}", s.rec.name)),
-        schedule: Some(TickOrigin {
-            schedule: s.rec.name.clone(),
-            schedule_revision: s.rev,
-            scheduled_time: t,
-            kind: kind.to_string(),
-        }),
-    };
-    let k = ctx.keys.job(id);
-    let w = Write::new()
-        .when_absent(k.spec.clone())
-        .when_absent(k.registry.clone())
-        .when_absent(k.dirty.clone())
-        .when_absent(k.clean.clone())
-        .put(k.spec, codec::encode(&record))
-        .put(
-            k.registry,
-            codec::encode(&RegistryEntry::pending_after(after)),
-        );
-    (w, record)
-}
-
-/// Records what became of a fire: a tick's outcome is counted, a trigger's only shown (it is
-/// not a tick).
-fn record_fire(st: &mut ScheduleStatus, f: &Fire, outcome: &str, now: u64) {
-    if f.kind == "tick" {
-        st.record(f.t, outcome, 1, now);
-    } else {
-        st.note(f.t, outcome, Some(f.kind), 1, now);
-    }
-}
-
-/// Fires one tick (or trigger) of `s` under its overlap policy, in one fenced write with the
-/// status.
-async fn fire_one(ctx: &Ctx, writer: &Writer, s: &mut Sched, f: Fire) -> Result<Fired, Stop> {
-    let keys = &ctx.keys;
-    let live_now = alive(ctx, &s.status.live).await?;
-    let ended: Vec<String> = s
-        .status
-        .live
-        .iter()
-        .filter(|id| !live_now.contains(id))
-        .cloned()
-        .collect();
-    let now = clock::now_ms();
-    let mut st = status_with(s, &f.pre, f.watermark);
-    if f.overlap == Overlap::Forbid && !live_now.is_empty() {
-        st.live = live_now;
-        st.record(f.t, "skipped", 1, now);
-        // Only while those runs are still there: had one ended meanwhile, the tick could run.
-        let w = st
-            .live
-            .iter()
-            .fold(Write::new(), |w, id| w.when_present(keys.job(id).registry));
-        let status_key = keys.schedule_status(&s.rec.name);
-        let w = guarded(keys, s)
-            .merge(w)
-            .put(status_key.clone(), codec::encode(&st))
-            .or_get(keys.schedule(&s.rec.name))
-            .or_get(status_key);
-        return match writer.commit(w).await {
-            Ok(Commit::Applied { revision, .. }) => {
-                emit_new(s, &st);
-                s.status = st;
-                s.status_rev = revision;
-                Ok(Fired::Skipped)
-            }
-            Ok(Commit::Conflict(resp)) => {
-                refresh(keys, s, &resp, 0, 1);
-                Ok(Fired::Replan)
-            }
-            Err(FenceError::Deposed { .. }) => Err(Stop::Deposed),
-            Err(FenceError::Store { .. }) => Err(Stop::Retry),
-        };
-    }
-    let replaced = if f.overlap == Overlap::Replace {
-        live_now.clone()
-    } else {
-        Vec::new()
-    };
-    let (job, _) = job_write(ctx, s, &f.id, f.t, f.kind, replaced.clone());
-    let mut w = guarded(keys, s);
-    if f.overlap != Overlap::Allow {
-        for id in &ended {
-            w = w.when_absent(keys.job(id).registry);
-        }
-    }
-    let cancel = CancelRequest {
-        version: records::CANCEL_VERSION,
-        requested_at_ms: records::now_ms(),
-        requested_via: format!("schedule {} (replace)", s.rec.name),
-    };
-    for id in &replaced {
-        let k = keys.job(id);
-        w = w
-            .when_present(k.registry)
-            .put(k.cancel, codec::encode(&cancel));
-    }
-    if let Some((rk, rrev)) = &f.request {
-        w = w.when_modified(rk.clone(), *rrev).delete(rk.clone());
-    }
-    st.live = live_now;
-    st.live.push(f.id.clone());
-    if f.overlap == Overlap::Allow && st.live.len() > LIVE_MAX {
-        // Nobody waits for them: the oldest drop off, so the status stays small.
-        let extra = st.live.len() - LIVE_MAX;
-        st.live.drain(..extra);
-    }
-    record_fire(&mut st, &f, "fired", now);
-    let status_key = keys.schedule_status(&s.rec.name);
-    let k = keys.job(&f.id);
-    let w = w
-        .merge(job)
-        .put(status_key.clone(), codec::encode(&st))
-        .or_get(keys.schedule(&s.rec.name))
-        .or_get(status_key)
-        .or_get(k.spec)
-        .or_get(k.registry)
-        .or_get(k.dirty)
-        .or_get(k.clean);
-    match writer.commit(w).await {
-        Ok(Commit::Applied { revision, .. }) => {
-            if f.kind == "tick" {
-                let lag = clock::now_ms().saturating_sub(f.t);
-                metrics::get()
-                    .schedule_lag_seconds
-                    .observe(lag as f64 / 1000.0);
-            }
-            for (i, id) in replaced.iter().enumerate() {
-                tracing::info!(schedule = %s.rec.name, job_id = %id, replaced_by = %f.id, n = i, "cancelled a live run for the schedule's replace");
-            }
-            emit_new(s, &st);
-            s.status = st;
-            s.status_rev = revision;
-            Ok(Fired::Created)
-        }
-        Ok(Commit::Conflict(resp)) => {
-            let (rev, status_rev) = (s.rev, s.status_rev);
-            refresh(keys, s, &resp, 0, 1);
-            let taken = (2..6).any(|i| kv_at(&resp, i).is_some());
-            if s.rev != rev || s.status_rev != status_rev || !taken {
-                return Ok(Fired::Replan);
-            }
-            // The id is taken by a job this tick did not make: recorded, never run.
-            let mut st = status_with(s, &f.pre, f.watermark);
-            record_fire(&mut st, &f, "conflict", now);
-            let mut w = guarded(keys, s).put(keys.schedule_status(&s.rec.name), codec::encode(&st));
-            if let Some((rk, rrev)) = &f.request {
-                w = w.when_modified(rk.clone(), *rrev).delete(rk.clone());
-            }
-            tracing::warn!(schedule = %s.rec.name, job_id = %f.id, "the tick's job id is taken by another job; recorded as a conflict");
-            match writer.commit(w).await {
-                Ok(Commit::Applied { revision, .. }) => {
-                    emit_new(s, &st);
-                    s.status = st;
-                    s.status_rev = revision;
-                    Ok(Fired::Conflict)
-                }
-                Ok(Commit::Conflict(_)) => Ok(Fired::Replan),
-                Err(FenceError::Deposed { .. }) => Err(Stop::Deposed),
-                Err(FenceError::Store { .. }) => Err(Stop::Retry),
-            }
-        }
-        Err(FenceError::Deposed { .. }) => Err(Stop::Deposed),
-        Err(FenceError::Store { source, .. }) => {
-            tracing::warn!(schedule = %s.rec.name, job_id = %f.id, error = %source, "cannot fire yet");
-            Err(Stop::Retry)
-        }
-    }
-}
-
 /// Deletes the clean results of each schedule's ticks beyond its newest `keep_results`
 /// (keys only: no value is read).
 async fn keep_results(ctx: &Ctx, writer: &Writer, scheds: &[(String, u32)]) {
@@ -1162,4 +936,100 @@ async fn keep_results(ctx: &Ctx, writer: &Writer, scheds: &[(String, u32)]) {
         }
         tracing::info!(schedule = %name, deleted = extra, keep, "removed tick results beyond --keep-results");
     }
+}
+
+/// Fires one tick (or trigger) of `s` under its overlap policy, in one fenced write with the
+/// status (see [`fire::plan`]).
+async fn fire_one(ctx: &Ctx, writer: &Writer, s: &mut Sched, f: Fire) -> Result<Fired, Stop> {
+    let keys = &ctx.keys;
+    let live_now = alive(ctx, &s.status.live).await?;
+    let now = clock::now_ms();
+    let (write, st, replaced) = match fire::plan(keys, &s.known(), &f, &live_now, now) {
+        Plan::Skip { write, status } => {
+            return match writer.commit(write).await {
+                Ok(Commit::Applied { revision, .. }) => {
+                    emit_new(s, &status);
+                    s.status = status;
+                    s.status_rev = revision;
+                    Ok(Fired::Skipped)
+                }
+                Ok(Commit::Conflict(resp)) => {
+                    refresh(keys, s, &resp, 0, 1);
+                    Ok(Fired::Replan)
+                }
+                Err(FenceError::Deposed { .. }) => Err(Stop::Deposed),
+                Err(FenceError::Store { .. }) => Err(Stop::Retry),
+            };
+        }
+        Plan::Create {
+            write,
+            status,
+            replaced,
+        } => (write, status, replaced),
+    };
+    match writer.commit(write).await {
+        Ok(Commit::Applied { revision, .. }) => {
+            if f.kind == "tick" {
+                let lag = clock::now_ms().saturating_sub(f.t);
+                metrics::get()
+                    .schedule_lag_seconds
+                    .observe(lag as f64 / 1000.0);
+            }
+            for id in &replaced {
+                tracing::info!(schedule = %s.rec.name, job_id = %id, replaced_by = %f.id, "cancelled a live run for the schedule's replace");
+            }
+            emit_new(s, &st);
+            s.status = st;
+            s.status_rev = revision;
+            Ok(Fired::Created)
+        }
+        Ok(Commit::Conflict(resp)) => {
+            let (rev, status_rev) = (s.rev, s.status_rev);
+            refresh(keys, s, &resp, 0, 1);
+            let taken = (2..6).any(|i| kv_at(&resp, i).is_some());
+            if s.rev != rev || s.status_rev != status_rev || !taken {
+                return Ok(Fired::Replan);
+            }
+            // The id is taken by a job this tick did not make: recorded, never run.
+            let (w, st) = fire::conflict(keys, &s.known(), &f, now);
+            tracing::warn!(schedule = %s.rec.name, job_id = %f.id, "the tick's job id is taken by another job; recorded as a conflict");
+            match writer.commit(w).await {
+                Ok(Commit::Applied { revision, .. }) => {
+                    emit_new(s, &st);
+                    s.status = st;
+                    s.status_rev = revision;
+                    Ok(Fired::Conflict)
+                }
+                Ok(Commit::Conflict(_)) => Ok(Fired::Replan),
+                Err(FenceError::Deposed { .. }) => Err(Stop::Deposed),
+                Err(FenceError::Store { .. }) => Err(Stop::Retry),
+            }
+        }
+        Err(FenceError::Deposed { .. }) => Err(Stop::Deposed),
+        Err(FenceError::Store { source, .. }) => {
+            tracing::warn!(schedule = %s.rec.name, job_id = %f.id, error = %source, "cannot fire yet");
+            Err(Stop::Retry)
+        }
+    }
+}
+
+impl Sched {
+    fn known(&self) -> Known<'_> {
+        Known {
+            rec: &self.rec,
+            rev: self.rev,
+            create: self.create,
+            status: &self.status,
+            status_rev: self.status_rev,
+        }
+    }
+}
+
+/// [`fire::status_with`] at the schedule clock's now.
+fn status_with(
+    s: &Sched,
+    outcomes: &[(u64, &'static str, u64)],
+    watermark: Option<u64>,
+) -> ScheduleStatus {
+    fire::status_with(&s.known(), outcomes, watermark, clock::now_ms())
 }

@@ -14,6 +14,7 @@
 
 pub mod clock;
 pub mod expr;
+pub mod fire;
 pub mod record;
 pub mod service;
 
