@@ -259,7 +259,14 @@ impl ScheduleService for ScheduleApi {
     ) -> Result<Response<proto::Schedule>, Status> {
         let caller = caller_name(&req);
         let req = req.into_inner();
-        let v = service::resume(&self.store, &self.keys, &req.name, req.if_revision).await?;
+        let v = service::resume(
+            &self.store,
+            &self.keys,
+            &req.name,
+            req.if_revision,
+            self.retention,
+        )
+        .await?;
         self.audit("schedule resume", &req.name, &caller);
         Ok(Response::new(schedule_view(&v)))
     }

@@ -73,7 +73,8 @@ struct Done {
     create: i64,
     status: Option<(ScheduleStatus, i64)>,
     rec: Option<(ScheduleRecord, i64)>,
-    handled: Vec<String>,
+    /// Requests the step is done with, at the revision it last knew of each.
+    handled: Vec<(String, i64)>,
     again_ms: Option<u64>,
     deposed: bool,
 }
@@ -159,6 +160,12 @@ pub(super) async fn run(ctx: Arc<Ctx>, writer: Writer) {
             // The clock is read again at least every second: a step of it must not make a
             // tick wait for a long sleep.
             let next = timers.first().map(|(at, _)| *at).unwrap_or(u64::MAX);
+            // With every place taken, a step's end (not a timer) frees the next one.
+            let next = if steps.len() >= STEPS_AT_ONCE {
+                now + 1000
+            } else {
+                next
+            };
             let wait = Duration::from_millis(next.saturating_sub(now).min(1000));
             tokio::select! {
                 biased;
@@ -260,8 +267,11 @@ fn take(scheds: &mut BTreeMap<String, Sched>, done: Done) -> Option<(String, u64
             s.rev = rev;
         }
     }
-    for k in &done.handled {
-        s.requests.remove(k);
+    // A request changed since (a newer progress, or a new request under the same key) stays.
+    for (k, rev) in &done.handled {
+        if s.requests.get(k).is_some_and(|(_, r)| r <= rev) {
+            s.requests.remove(k);
+        }
     }
     let at = done.again_ms.or_else(|| next_due(s)).unwrap_or(u64::MAX);
     (at != u64::MAX).then_some((done.name, at))
@@ -490,8 +500,13 @@ async fn step(ctx: &Ctx, writer: &Writer, mut s: Sched) -> Done {
         ticks(ctx, writer, &mut s).await
     }
     .await;
+    let changed = s.rev != before.0 || s.status_rev != before.1 || !done.handled.is_empty();
     match r {
-        Ok(again) => done.again_ms = again.then(clock::now_ms),
+        // Again at once only if the step learned something: a definition that went or was
+        // replaced waits for its watch event, not in a loop of writes.
+        Ok(again) => {
+            done.again_ms = again.then(|| clock::now_ms() + if changed { 0 } else { 1000 })
+        }
         Err(Stop::Deposed) => done.deposed = true,
         Err(Stop::Retry) => done.again_ms = Some(clock::now_ms() + 1000),
     }
@@ -517,7 +532,7 @@ async fn requests(
     ctx: &Ctx,
     writer: &Writer,
     s: &mut Sched,
-    handled: &mut Vec<String>,
+    handled: &mut Vec<(String, i64)>,
 ) -> Result<(), Stop> {
     let pending: Vec<(String, (ScheduleRequest, i64))> = s
         .requests
@@ -530,7 +545,7 @@ async fn requests(
                 .when_modified(key.clone(), rev)
                 .delete(key.clone());
             commit(writer, w).await?;
-            handled.push(key);
+            handled.push((key, rev));
             continue;
         }
         match req.kind {
@@ -547,22 +562,22 @@ async fn requests(
                 };
                 match fire_one(ctx, writer, s, fire).await? {
                     Fired::Replan => return Ok(()),
-                    _ => handled.push(key),
+                    _ => handled.push((key, rev)),
                 }
             }
             RequestKind::Backfill { from_ms, to_ms, .. } => {
                 let from = from_ms.max(req.progress_ms);
-                let Some(rev) = backfill(ctx, writer, s, (&key, rev, &req), from, to_ms).await?
+                let Some(last) = backfill(ctx, writer, s, (&key, rev, &req), from, to_ms).await?
                 else {
-                    // The request changed or went: the watch tells.
-                    handled.push(key);
+                    // The request changed or went under it: the watch brings what it is now.
+                    handled.push((key, rev));
                     continue;
                 };
                 let w = Write::new()
-                    .when_modified(key.clone(), rev)
+                    .when_modified(key.clone(), last)
                     .delete(key.clone());
                 commit(writer, w).await?;
-                handled.push(key);
+                handled.push((key, last));
             }
         }
     }

@@ -200,8 +200,10 @@ pub fn plan(keys: &Keys, k: &Known, f: &Fire, alive: &[String], now_ms: u64) -> 
     }
     st.live = alive.to_vec();
     st.live.push(f.id.clone());
-    if f.overlap == Overlap::Allow && st.live.len() > LIVE_MAX {
-        // Nobody waits for them: the oldest drop off, so the status stays small.
+    if k.rec.overlap == Overlap::Allow && st.live.len() > LIVE_MAX {
+        // Nobody waits for them under the schedule's `allow`: the oldest drop off, so the
+        // status stays small. (A trigger fires as `allow` whatever the schedule's policy: under
+        // `forbid` and `replace` every live run stays listed, so later ticks see it.)
         let extra = st.live.len() - LIVE_MAX;
         st.live.drain(..extra);
     }
@@ -232,4 +234,143 @@ pub fn conflict(keys: &Keys, k: &Known, f: &Fire, now_ms: u64) -> (Write, Schedu
         w = w.when_modified(rk.clone(), *rrev).delete(rk.clone());
     }
     (w, st)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::record::{Catchup, SCHEDULE_VERSION};
+    use std::time::Duration;
+
+    fn record(overlap: Overlap) -> ScheduleRecord {
+        ScheduleRecord {
+            version: SCHEDULE_VERSION,
+            name: "s".into(),
+            spec: crate::jobs::spec::JobSpec::resolve(
+                vec!["true".into()],
+                Default::default(),
+                Vec::new(),
+                0,
+                None,
+            )
+            .unwrap(),
+            cron: "@every 1s".into(),
+            tz: "UTC".into(),
+            overlap,
+            catchup: Catchup::Latest,
+            catchup_window: Duration::from_secs(600),
+            keep_results: 1000,
+            anchor_ms: 0,
+            floor_ms: 0,
+            paused: false,
+            pause_reason: None,
+            resumed: false,
+            created_by: "t".into(),
+            created_at_ms: 0,
+            updated_at_ms: 0,
+        }
+    }
+
+    fn trigger(t: u64) -> Fire {
+        Fire {
+            t,
+            id: crate::schedule::trigger_id("s", t),
+            kind: "trigger",
+            overlap: Overlap::Allow,
+            pre: Vec::new(),
+            watermark: None,
+            request: None,
+        }
+    }
+
+    /// Triggers fire as `allow`; only an `allow` schedule lets the oldest live runs drop off
+    /// its list, so a running tick of a `forbid` or `replace` schedule stays seen.
+    #[test]
+    fn triggers_never_push_a_live_tick_off_a_forbid_or_replace_list() {
+        let keys = Keys::new("t");
+        let tick = crate::schedule::tick_id("s", 1000);
+        for (overlap, keeps_tick) in [
+            (Overlap::Forbid, true),
+            (Overlap::Replace, true),
+            (Overlap::Allow, false),
+        ] {
+            let rec = record(overlap);
+            let mut status = ScheduleStatus::new(7);
+            status.live = vec![tick.clone()];
+            for i in 1..=LIVE_MAX as u64 {
+                status.live.push(crate::schedule::trigger_id("s", 1000 + i));
+            }
+            let k = Known {
+                rec: &rec,
+                rev: 7,
+                create: 7,
+                status: &status,
+                status_rev: 8,
+            };
+            let alive = status.live.clone();
+            let Plan::Create { status: st, .. } = plan(&keys, &k, &trigger(9000), &alive, 9000)
+            else {
+                panic!("a trigger is created whatever the policy");
+            };
+            assert_eq!(
+                st.live.contains(&tick),
+                keeps_tick,
+                "{overlap:?}: {:?}",
+                st.live
+            );
+            assert!(st.live.contains(&crate::schedule::trigger_id("s", 9000)));
+            if !keeps_tick {
+                assert_eq!(st.live.len(), LIVE_MAX);
+            }
+            // Not a tick: shown, not counted.
+            assert!(st.counts.is_empty(), "{:?}", st.counts);
+        }
+    }
+
+    /// `forbid` with a live run skips, and only while that run is still registered.
+    #[test]
+    fn forbid_skips_only_while_the_live_run_is_registered() {
+        let keys = Keys::new("t");
+        let rec = record(Overlap::Forbid);
+        let live = crate::schedule::tick_id("s", 1000);
+        let mut status = ScheduleStatus::new(7);
+        status.live = vec![live.clone()];
+        let k = Known {
+            rec: &rec,
+            rev: 7,
+            create: 7,
+            status: &status,
+            status_rev: 8,
+        };
+        let tick = Fire {
+            t: 2000,
+            id: crate::schedule::tick_id("s", 2000),
+            kind: "tick",
+            overlap: Overlap::Forbid,
+            pre: Vec::new(),
+            watermark: Some(2000),
+            request: None,
+        };
+        let Plan::Skip { write, status: st } = plan(&keys, &k, &tick, &[live.clone()], 9000) else {
+            panic!("a live run means skip");
+        };
+        assert_eq!(st.counts["skipped"], 1);
+        assert_eq!(st.watermark_ms, 2000);
+        let registry = keys.job(&live).registry.into_bytes();
+        assert!(write
+            .conds()
+            .iter()
+            .any(|c| matches!(c, crate::store::Cond::Present(k) if *k == registry)));
+        let Plan::Create {
+            write, status: st, ..
+        } = plan(&keys, &k, &tick, &[], 9000)
+        else {
+            panic!("an ended run lets the tick fire");
+        };
+        assert_eq!(st.counts["fired"], 1);
+        assert!(write
+            .conds()
+            .iter()
+            .any(|c| matches!(c, crate::store::Cond::Absent(k) if *k == registry)));
+    }
 }

@@ -504,12 +504,14 @@ pub async fn pause(
     .await
 }
 
-/// Resumes: the floor moves to now, so nothing of the paused time fires.
+/// Resumes: the floor moves to now, so nothing of the paused time fires. A definition that
+/// no longer fits the result retention (a leader paused it for that) stays paused.
 pub async fn resume(
     store: &Store,
     keys: &Keys,
     name: &str,
     if_revision: i64,
+    retention: Retention,
 ) -> Result<View, Error> {
     modify(store, keys, name, if_revision, |r| {
         if r.paused {
@@ -518,7 +520,7 @@ pub async fn resume(
         }
         r.paused = false;
         r.pause_reason = None;
-        Ok(())
+        check(r, retention)
     })
     .await
 }
