@@ -351,7 +351,9 @@ mod tests {
             watermark: Some(2000),
             request: None,
         };
-        let Plan::Skip { write, status: st } = plan(&keys, &k, &tick, &[live.clone()], 9000) else {
+        let Plan::Skip { write, status: st } =
+            plan(&keys, &k, &tick, std::slice::from_ref(&live), 9000)
+        else {
             panic!("a live run means skip");
         };
         assert_eq!(st.counts["skipped"], 1);
