@@ -31,6 +31,19 @@ async fn schedules(c: &Cluster, i: usize) -> Schedules {
     ScheduleServiceClient::new(ch)
 }
 
+/// A cluster of `replicas` (embedded workers) with a leader, its scratch folder and all its
+/// replicas' indices.
+async fn small_cluster(replicas: usize) -> (Cluster, std::path::PathBuf, Vec<usize>) {
+    let c = Cluster::start(Options {
+        replicas,
+        ..Options::default()
+    });
+    let out = scratch(&c);
+    let all = c.all_indices();
+    c.leader_index().await;
+    (c, out, all)
+}
+
 /// Reads schedule `name` through the first of `via` that answers.
 async fn get(c: &Cluster, via: &[usize], name: &str) -> Schedule {
     wait_for(
@@ -307,13 +320,7 @@ async fn replace_never_overlaps_even_when_the_leader_dies_right_after_a_fire() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schedule_operations_keep_their_promises() {
-    let c = Cluster::start(Options {
-        replicas: 2,
-        ..Options::default()
-    });
-    let out = scratch(&c);
-    let all = c.all_indices();
-    c.leader_index().await;
+    let (c, out, all) = small_cluster(2).await;
     let mut cl = schedules(&c, 1).await;
 
     // A name deleted and created again starts from a fresh status.
@@ -574,13 +581,7 @@ async fn a_daylight_saving_gap_fires_a_fixed_hour_once_at_its_end() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watermark_ahead_of_the_clock_is_kept_and_recorded_as_clock_skew() {
-    let c = Cluster::start(Options {
-        replicas: 2,
-        ..Options::default()
-    });
-    let out = scratch(&c);
-    let all = c.all_indices();
-    c.leader_index().await;
+    let (c, out, all) = small_cluster(2).await;
     let s = create(
         &c,
         "skew",

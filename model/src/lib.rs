@@ -39,7 +39,7 @@ use baton::jobs::work::{
 use baton::jobs::{self, records::RegistryEntry, records::TerminalStatus};
 use baton::schedule::fire::{self, Fire, Known, Plan};
 use baton::schedule::record::{
-    Catchup, Overlap, ScheduleRecord, ScheduleStatus, SCHEDULE_VERSION, STATUS_VERSION,
+    Overlap, ScheduleRecord, ScheduleStatus, SCHEDULE_VERSION, STATUS_VERSION,
 };
 use baton::store::mem::MemEtcd;
 use baton::store::{codec, Cond, Effect, Keys, Write};
@@ -531,25 +531,7 @@ impl BatonModel {
             let spec =
                 JobSpec::resolve(vec!["true".into()], Default::default(), Vec::new(), 0, None)
                     .expect("a valid spec");
-            let rec = ScheduleRecord {
-                version: SCHEDULE_VERSION,
-                name: "s".into(),
-                spec,
-                cron: "@every 1s".into(),
-                tz: "UTC".into(),
-                overlap,
-                catchup: Catchup::Latest,
-                catchup_window: Duration::from_secs(600),
-                keep_results: 1000,
-                anchor_ms: 0,
-                floor_ms: 0,
-                paused: false,
-                pause_reason: None,
-                resumed: false,
-                created_by: "model".into(),
-                created_at_ms: 0,
-                updated_at_ms: 0,
-            };
+            let rec = ScheduleRecord::new("s", spec, "@every 1s", overlap, "model", 0);
             let key = self.keys.schedule("s");
             let create = Write::new()
                 .when_absent(key.clone())

@@ -21,7 +21,7 @@ use super::usage::sample;
 use crate::config::BenchArgs;
 use crate::jobs::records::now_ms;
 use crate::jobs::spec::{JobRecord, JobSpec, JOB_RECORD_VERSIONS_READ};
-use crate::schedule::record::{Catchup, Overlap, ScheduleRecord, SCHEDULE_VERSION};
+use crate::schedule::record::{Overlap, ScheduleRecord};
 use crate::store::{codec, Keys, Store, Write};
 
 #[derive(Clone, Debug, Serialize)]
@@ -83,27 +83,9 @@ async fn watch_jobs(store: &Store, keys: &Keys) -> anyhow::Result<Seen> {
 
 /// A definition as a replica would store it, firing by `cron` (UTC), overlap allow.
 fn definition(name: &str, cron: &str) -> ScheduleRecord {
-    let now = now_ms();
-    ScheduleRecord {
-        version: SCHEDULE_VERSION,
-        name: name.into(),
-        spec: JobSpec::resolve(vec!["true".into()], Default::default(), Vec::new(), 0, None)
-            .expect("a valid spec"),
-        cron: cron.into(),
-        tz: "UTC".into(),
-        overlap: Overlap::Allow,
-        catchup: Catchup::Latest,
-        catchup_window: Duration::from_secs(600),
-        keep_results: 1000,
-        anchor_ms: now - now % 1000,
-        floor_ms: now,
-        paused: false,
-        pause_reason: None,
-        resumed: false,
-        created_by: "bench".into(),
-        created_at_ms: now,
-        updated_at_ms: now,
-    }
+    let spec = JobSpec::resolve(vec!["true".into()], Default::default(), Vec::new(), 0, None)
+        .expect("a valid spec");
+    ScheduleRecord::new(name, spec, cron, Overlap::Allow, "bench", now_ms())
 }
 
 /// A 6-field cron firing once, at the whole second `t_ms` (UTC).

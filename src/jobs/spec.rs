@@ -38,7 +38,7 @@ pub struct JobSpec {
     #[serde(default)]
     pub cleanup_command: Vec<String>,
     pub max_attempts: u32,
-    #[serde(with = "humantime_serde_secs")]
+    #[serde(with = "duration_secs")]
     pub timeout: Duration,
     /// Exact labels a worker must all have to run the job. Left out of the stored JSON when
     /// empty, so specs (and hashes) from before selectors are unchanged.
@@ -414,7 +414,7 @@ impl JobSpec {
 }
 
 /// Durations stored as fractional seconds, readable in `etcdctl get`.
-mod humantime_serde_secs {
+pub(crate) mod duration_secs {
     use serde::{Deserialize, Deserializer, Serializer};
     use std::time::Duration;
 

@@ -239,36 +239,17 @@ pub fn conflict(keys: &Keys, k: &Known, f: &Fire, now_ms: u64) -> (Write, Schedu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schedule::record::{Catchup, SCHEDULE_VERSION};
-    use std::time::Duration;
 
     fn record(overlap: Overlap) -> ScheduleRecord {
-        ScheduleRecord {
-            version: SCHEDULE_VERSION,
-            name: "s".into(),
-            spec: crate::jobs::spec::JobSpec::resolve(
-                vec!["true".into()],
-                Default::default(),
-                Vec::new(),
-                0,
-                None,
-            )
-            .unwrap(),
-            cron: "@every 1s".into(),
-            tz: "UTC".into(),
-            overlap,
-            catchup: Catchup::Latest,
-            catchup_window: Duration::from_secs(600),
-            keep_results: 1000,
-            anchor_ms: 0,
-            floor_ms: 0,
-            paused: false,
-            pause_reason: None,
-            resumed: false,
-            created_by: "t".into(),
-            created_at_ms: 0,
-            updated_at_ms: 0,
-        }
+        let spec = crate::jobs::spec::JobSpec::resolve(
+            vec!["true".into()],
+            Default::default(),
+            Vec::new(),
+            0,
+            None,
+        )
+        .unwrap();
+        ScheduleRecord::new("s", spec, "@every 1s", overlap, "t", 0)
     }
 
     fn trigger(t: u64) -> Fire {

@@ -91,7 +91,7 @@ pub struct ScheduleRecord {
     pub tz: String,
     pub overlap: Overlap,
     pub catchup: Catchup,
-    #[serde(with = "secs")]
+    #[serde(with = "crate::jobs::spec::duration_secs")]
     pub catchup_window: Duration,
     /// Tick results kept: the newest this many.
     pub keep_results: u32,
@@ -110,6 +110,40 @@ pub struct ScheduleRecord {
     pub created_by: String,
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
+}
+
+impl ScheduleRecord {
+    /// A definition created at `now_ms` by `by`, with the default zone (UTC) and policies
+    /// (catch-up `latest` within 10 minutes, 1,000 results kept).
+    pub fn new(
+        name: &str,
+        spec: JobSpec,
+        cron: &str,
+        overlap: Overlap,
+        by: &str,
+        now_ms: u64,
+    ) -> ScheduleRecord {
+        ScheduleRecord {
+            version: SCHEDULE_VERSION,
+            name: name.to_string(),
+            spec,
+            cron: cron.trim().to_string(),
+            tz: "UTC".into(),
+            overlap,
+            catchup: Catchup::Latest,
+            catchup_window: Duration::from_secs(600),
+            keep_results: 1000,
+            // Whole seconds: `@every` ticks then never share a second, so their ids differ.
+            anchor_ms: now_ms - now_ms % 1000,
+            floor_ms: now_ms,
+            paused: false,
+            pause_reason: None,
+            resumed: false,
+            created_by: by.to_string(),
+            created_at_ms: now_ms,
+            updated_at_ms: now_ms,
+        }
+    }
 }
 
 /// One decided tick (or trigger or backfill), as the status keeps it.
@@ -233,24 +267,6 @@ pub struct ScheduleRequest {
     /// each tick's job).
     #[serde(default)]
     pub progress_ms: u64,
-}
-
-/// Durations stored as seconds.
-mod secs {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_f64(d.as_secs_f64())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let secs = f64::deserialize(d)?;
-        if !(0.0..=1e9).contains(&secs) {
-            return Err(serde::de::Error::custom("duration out of range"));
-        }
-        Ok(Duration::from_secs_f64(secs))
-    }
 }
 
 #[cfg(test)]

@@ -154,27 +154,15 @@ pub async fn create(
     validate_name(name)?;
     let now = super::clock::now_ms();
     let record = ScheduleRecord {
-        version: SCHEDULE_VERSION,
-        name: name.to_string(),
-        spec: def.spec,
-        cron: def.cron.trim().to_string(),
         tz: if def.tz.is_empty() {
             "UTC".into()
         } else {
             def.tz
         },
-        overlap: def.overlap,
         catchup: def.catchup,
         catchup_window: default_window(def.catchup_window),
         keep_results: default_keep(def.keep_results),
-        anchor_ms: anchor(now),
-        floor_ms: now,
-        paused: false,
-        pause_reason: None,
-        resumed: false,
-        created_by: by.to_string(),
-        created_at_ms: now,
-        updated_at_ms: now,
+        ..ScheduleRecord::new(name, def.spec, &def.cron, def.overlap, by, now)
     };
     check(&record, retention)?;
     let key = keys.schedule(name);
