@@ -38,6 +38,7 @@ fn main() -> ExitCode {
             Command::Leader { command } => match command {
                 LeaderCommand::Get(args) => baton::cli::leader_get(&args).await,
                 LeaderCommand::Resign(args) => baton::cli::leader_resign(&args).await,
+                LeaderCommand::History(args) => baton::cli::leader_history(&args).await,
             },
             Command::Job { command } => match command {
                 JobCommand::Submit(args) => baton::cli::jobs::submit(&args).await,

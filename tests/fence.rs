@@ -115,7 +115,7 @@ async fn a_campaign_win_for_a_deleted_key_is_refused() {
     let key: LeaderKey = won.take_leader().unwrap();
     // The key vanishes (as lease expiry would delete it) before the win is confirmed.
     client.delete(key.key(), None).await.unwrap();
-    let refused = election::confirm(&store, &cfg, &lease, key).await;
+    let refused = election::confirm(&store, &keys, &cfg, &lease, key, 0).await;
     assert!(
         matches!(refused, Err(election::Error::PhantomWin)),
         "{:?}",
@@ -133,7 +133,7 @@ async fn a_campaign_win_for_a_deleted_key_is_refused() {
         .take_leader()
         .unwrap();
     client.lease_revoke(lease2.id()).await.unwrap();
-    let refused = election::confirm(&store, &cfg, &lease2, key2).await;
+    let refused = election::confirm(&store, &keys, &cfg, &lease2, key2, 0).await;
     assert!(
         matches!(refused, Err(election::Error::PhantomWin)),
         "a win on a revoked lease: {:?}",

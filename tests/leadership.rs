@@ -419,3 +419,70 @@ fn unreachable_etcd_is_a_clear_error() {
     assert!(!err.contains("panicked"), "{err}");
     assert!(started.elapsed() < Duration::from_secs(20));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_term_history_records_each_term_after_the_one_it_followed() {
+    let mut c = Cluster::start(Options::default());
+    let first = c
+        .wait_leader(&c.all_indices(), Duration::from_secs(15), |_| true)
+        .await;
+    let endpoints: Vec<String> = c.replicas.iter().map(|r| r.listen().to_string()).collect();
+    let eps = endpoints.join(",");
+    // A step-down in order records its reason; a SIGKILL records nothing.
+    let out = Command::new(BIN)
+        .args(["leader", "resign", "--endpoints", &eps])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let second = c
+        .wait_leader(&c.all_indices(), Duration::from_secs(10), |t| {
+            t > first.term
+        })
+        .await;
+    let k = c.index_of(&second.replica_id);
+    c.replicas[k].sigkill();
+    let third = c
+        .wait_leader(&c.others(k), Duration::from_secs(20), |t| t > second.term)
+        .await;
+    let history = wait_for(
+        "the third term in the history",
+        Duration::from_secs(10),
+        || async {
+            let out = Command::new(BIN)
+                .args(["leader", "history", "-o", "json", "--endpoints", &eps])
+                .output()
+                .ok()?;
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+            let terms = v.as_array()?.clone();
+            (terms.first()?["term"] == third.term).then_some(terms)
+        },
+    )
+    .await;
+    let at = |t: i64| {
+        history
+            .iter()
+            .find(|h| h["term"] == t)
+            .unwrap_or_else(|| panic!("term {t} in {history:?}"))
+    };
+    assert_eq!(at(third.term)["replica_id"], third.replica_id.as_str());
+    assert_eq!(at(third.term)["followed"], second.term);
+    assert_eq!(at(second.term)["followed"], first.term);
+    assert_eq!(at(first.term)["ended_reason"], "resign requested");
+    assert_eq!(
+        at(second.term)["ended_reason"],
+        "",
+        "a SIGKILL says nothing"
+    );
+    let terms: Vec<i64> = history
+        .iter()
+        .map(|h| h["term"].as_i64().unwrap())
+        .collect();
+    assert!(
+        terms.windows(2).all(|w| w[0] > w[1]),
+        "newest first: {terms:?}"
+    );
+}

@@ -48,6 +48,38 @@ pub fn leader_to_proto(l: &LeaderInfo) -> proto::LeaderInfo {
 
 #[tonic::async_trait]
 impl ClusterService for ClusterApi {
+    async fn get_leader_history(
+        &self,
+        req: Request<proto::GetLeaderHistoryRequest>,
+    ) -> Result<Response<proto::GetLeaderHistoryResponse>, Status> {
+        let limit = match req.into_inner().limit {
+            0 => 100,
+            n if n > 1000 => return Err(Status::invalid_argument("limit: at most 1000")),
+            n => n as usize,
+        };
+        let terms = election::history::read(&self.store, &self.keys, limit)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(Response::new(proto::GetLeaderHistoryResponse {
+            terms: terms
+                .into_iter()
+                .map(|t| proto::TermInfo {
+                    term: t.term,
+                    replica_id: t.replica_id,
+                    advertise: t.advertise,
+                    elected_at: t.elected_at,
+                    followed: t.followed,
+                    ended_reason: t
+                        .ended
+                        .as_ref()
+                        .map(|e| e.reason.clone())
+                        .unwrap_or_default(),
+                    ended_at: t.ended.map(|e| e.at).unwrap_or_default(),
+                })
+                .collect(),
+        }))
+    }
+
     async fn get_leader(
         &self,
         _req: Request<proto::GetLeaderRequest>,

@@ -14,9 +14,11 @@ use anyhow::anyhow;
 use serde_json::json;
 use tonic::{Code, Status};
 
-use crate::config::{ClientArgs, ClientSecurityArgs, Output, ResignArgs};
+use crate::config::{ClientArgs, ClientSecurityArgs, HistoryArgs, Output, ResignArgs};
 use crate::proto::cluster_service_client::ClusterServiceClient;
-use crate::proto::{GetLeaderRequest, LeaderInfo, ResignLeadershipRequest};
+use crate::proto::{
+    GetLeaderHistoryRequest, GetLeaderRequest, LeaderInfo, ResignLeadershipRequest,
+};
 use crate::security::{AuthChannel, Bearer, ClientSecurity, ClientTlsFiles};
 
 /// The CLI's TLS and token, read from their files.
@@ -177,6 +179,56 @@ pub async fn leader_resign(args: &ResignArgs) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// `baton leader history`: the terms, newest first.
+pub async fn leader_history(args: &HistoryArgs) -> anyhow::Result<()> {
+    let limit = args.limit;
+    let terms = call_any(&args.client, |ch| async move {
+        Ok(ClusterServiceClient::new(ch)
+            .get_leader_history(GetLeaderHistoryRequest { limit })
+            .await?
+            .into_inner()
+            .terms)
+    })
+    .await?;
+    match args.client.output {
+        Output::Json => {
+            let all: Vec<serde_json::Value> = terms
+                .iter()
+                .map(|t| {
+                    json!({
+                        "term": t.term,
+                        "replica_id": t.replica_id,
+                        "advertise": t.advertise,
+                        "elected_at": t.elected_at,
+                        "followed": t.followed,
+                        "ended_reason": t.ended_reason,
+                        "ended_at": t.ended_at,
+                    })
+                })
+                .collect();
+            println!("{}", serde_json::Value::Array(all));
+        }
+        Output::Text => {
+            println!(
+                "{:>10}  {:<12} {:<26} {:>10}  ENDED",
+                "TERM", "REPLICA", "ELECTED", "FOLLOWED"
+            );
+            for t in &terms {
+                let ended = if t.ended_reason.is_empty() {
+                    "-".to_string()
+                } else {
+                    format!("{} ({})", t.ended_at, t.ended_reason)
+                };
+                println!(
+                    "{:>10}  {:<12} {:<26} {:>10}  {ended}",
+                    t.term, t.replica_id, t.elected_at, t.followed
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -347,6 +347,18 @@ pub enum LeaderCommand {
     Get(ClientArgs),
     /// Ask the current leader to step down and campaign again behind the others.
     Resign(ResignArgs),
+    /// The history of terms, newest first: who led, since when, after which term, and how it
+    /// ended when its leader stepped down in order.
+    History(HistoryArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct HistoryArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// At most this many terms (up to 1000).
+    #[arg(long, default_value_t = 20)]
+    pub limit: u32,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -10,6 +10,7 @@
 //! the key's create revision) and a keepalive answered after the campaign returned must both
 //! succeed.
 
+pub mod history;
 mod lease;
 mod observer;
 mod term;
@@ -174,7 +175,8 @@ pub async fn run(
                 continue;
             }
         };
-        let term = match confirm(&store, &config, &lease, key).await {
+        let followed = history::newest(&store, &keys, config.ttl / 4).await;
+        let term = match confirm(&store, &keys, &config, &lease, key, followed).await {
             Ok(t) if !shutdown.is_cancelled() && t.is_valid() => t,
             Ok(t) => {
                 // Confirmed too late to use, or shutting down: hand the key back unannounced.
@@ -205,7 +207,22 @@ pub async fn run(
         m.is_leader.set(1);
         m.term.set(term.revision());
         role.send_replace(Role::Leader(term.clone()));
+        {
+            let (t, s, k) = (term.clone(), store.clone(), keys.clone());
+            term.tracker()
+                .spawn(async move { history::trim(&t, &s, &k).await });
+        }
         let (reason, resign_reply) = hold(&term, &mut commands, &shutdown).await;
+        if term.is_valid() {
+            // Stepping down in order: the history says why, while the term still holds.
+            history::record_end(
+                &term,
+                &keys,
+                &term_record(&config, &term, followed),
+                &reason,
+            )
+            .await;
+        }
         term.end(&reason);
         m.is_leader.set(0);
         role.send_replace(Role::Follower);
@@ -247,12 +264,33 @@ async fn campaign(
     }
 }
 
-/// Turns a campaign win into a term, or refuses a phantom win ([`Error::PhantomWin`]).
+/// This term's history record.
+fn term_record(config: &ElectionConfig, term: &Term, followed: i64) -> history::TermRecord {
+    history::TermRecord {
+        version: history::TERM_RECORD_VERSION,
+        term: term.revision(),
+        replica_id: config.replica_id.clone(),
+        advertise: config.advertise.clone(),
+        elected_at: term
+            .info()
+            .elected_at
+            .map(|t| humantime::format_rfc3339_millis(t).to_string())
+            .unwrap_or_default(),
+        followed,
+        ended: None,
+    }
+}
+
+/// Turns a campaign win into a term, or refuses a phantom win ([`Error::PhantomWin`]). The
+/// confirming write also records the term in the history (`followed`: the newest term the
+/// history held before), with no compare on it.
 pub async fn confirm(
     store: &Store,
+    keys: &Keys,
     config: &ElectionConfig,
     lease: &Lease,
     key: LeaderKey,
+    followed: i64,
 ) -> Result<Term, Error> {
     let elected_at = SystemTime::now();
     let info = LeaderInfo {
@@ -289,11 +327,17 @@ pub async fn confirm(
         advertise: config.advertise.clone(),
         elected_at: Some(humantime::format_rfc3339_millis(elected_at).to_string()),
     };
-    let write = Write::new().when_leased(key.key(), lease.id()).put_leased(
-        key.key(),
-        serde_json::to_vec(&record).expect("a candidate record serializes"),
-        lease.id(),
-    );
+    let write = Write::new()
+        .when_leased(key.key(), lease.id())
+        .put_leased(
+            key.key(),
+            serde_json::to_vec(&record).expect("a candidate record serializes"),
+            lease.id(),
+        )
+        .merge(history::record_put(
+            keys,
+            &term_record(config, &term, followed),
+        ));
     let written = term.commit(write);
     let (proven, written) = tokio::join!(proven, written);
     match proven? {

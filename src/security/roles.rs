@@ -63,7 +63,7 @@ pub fn required(path: &str) -> Option<Role> {
         ) => Role::Read,
         ("baton.v1.ScheduleService", "GetSchedule" | "ListSchedules") => Role::Read,
         ("baton.v1.ScheduleService", _) => Role::Submit,
-        ("baton.v1.ClusterService", "GetLeader") => Role::Read,
+        ("baton.v1.ClusterService", "GetLeader" | "GetLeaderHistory") => Role::Read,
         ("baton.v1.FleetService", "ListWorkers") => Role::Read,
         _ => Role::Admin,
     };

@@ -171,6 +171,16 @@ impl Keys {
         format!("{}{name}/{id}", self.schedule_requests())
     }
 
+    /// `terms/`: the history of terms, one key per term.
+    pub fn terms(&self) -> String {
+        format!("{}terms/", self.prefix)
+    }
+
+    /// `terms/<term, 20 digits>`: sorts in term order.
+    pub fn term_record(&self, term: i64) -> String {
+        format!("{}{term:020}", self.terms())
+    }
+
     /// The job id of a key under one of the per-job prefixes.
     pub fn id_in<'a>(prefix: &str, key: &'a [u8]) -> Option<&'a str> {
         std::str::from_utf8(key).ok()?.strip_prefix(prefix)
