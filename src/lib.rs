@@ -18,6 +18,7 @@ pub mod devcluster;
 pub mod drill;
 pub mod election;
 pub mod exec;
+pub mod http;
 pub mod jobs;
 pub mod logging;
 pub mod metrics;
@@ -31,5 +32,6 @@ pub mod worker;
 
 pub mod proto {
     tonic::include_proto!("baton.v1");
+    include!(concat!(env!("OUT_DIR"), "/baton.v1.serde.rs"));
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("baton_descriptor");
 }

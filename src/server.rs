@@ -63,6 +63,14 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         guard_bin,
         listener,
     } = open(&args.etcd, &args.cluster, &args.run, args.listen).await?;
+    let http_listener = match args.http.http_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| Error::Listen { addr, source })?,
+        ),
+        None => None,
+    };
 
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone())?;
@@ -138,31 +146,51 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         shutdown.clone(),
     ));
     let api_stop = CancellationToken::new();
+    let jobs = JobApi::new(
+        store.clone(),
+        keys.clone(),
+        replica_id.clone(),
+        security.peer.clone(),
+    );
+    let fleet = FleetApi::new(store.clone(), keys.clone(), replica_id.clone());
+    let schedules = ScheduleApi::new(
+        store.clone(),
+        keys.clone(),
+        replica_id.clone(),
+        crate::schedule::service::Retention {
+            results: args.result_retention,
+        },
+    );
+    let cluster = ClusterApi::new(
+        store.clone(),
+        keys.clone(),
+        replica_id.clone(),
+        role_rx,
+        cmd_tx,
+    );
     let services = Services {
         store: store.clone(),
         probe_key: keys.prefix().to_string(),
-        jobs: JobApi::new(
-            store.clone(),
-            keys.clone(),
-            replica_id.clone(),
-            security.peer.clone(),
-        ),
-        fleet: FleetApi::new(store.clone(), keys.clone(), replica_id.clone()),
-        schedules: ScheduleApi::new(
-            store.clone(),
-            keys.clone(),
-            replica_id.clone(),
-            crate::schedule::service::Retention {
-                results: args.result_retention,
-            },
-        ),
-        cluster: ClusterApi::new(store, keys, replica_id.clone(), role_rx, cmd_tx),
+        jobs,
+        fleet,
+        schedules,
+        cluster,
         worker: args
             .worker
             .then(|| WorkerLogs::new(replica_id.clone(), storage_dir)),
         security,
         ready,
     };
+    let http_server = http_listener.map(|l| {
+        let s = crate::http::HttpServices::new(
+            &services,
+            replica_id.clone(),
+            args.advertise(),
+            args.http.clone(),
+            api_stop.clone(),
+        );
+        tokio::spawn(crate::http::serve(l, s))
+    });
     let server = tokio::spawn(api::serve(
         listener,
         services,
@@ -179,6 +207,13 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
     match tokio::time::timeout(Duration::from_secs(5), server).await {
         Ok(Ok(r)) => r?,
         Ok(Err(_)) | Err(_) => tracing::warn!("API did not drain in time"),
+    }
+    if let Some(h) = http_server {
+        match tokio::time::timeout(Duration::from_secs(5), h).await {
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the HTTP listener failed"),
+            Ok(_) => {}
+            Err(_) => tracing::warn!("HTTP API did not drain in time"),
+        }
     }
     if let Err(e) = finished {
         return Err(Error::Crashed(e.to_string()));

@@ -609,7 +609,7 @@ async fn bad_input_is_refused_with_the_field_named_and_corrupt_values_block_noth
         .message()
         .contains("spec.max_attempts"));
     let mut forever = sh("true");
-    forever.timeout = Some(prost_types::Duration {
+    forever.timeout = Some(pbjson_types::Duration {
         seconds: 365 * 86400,
         nanos: 0,
     });
@@ -663,7 +663,7 @@ async fn timeouts_fail_attempts_and_queued_jobs_start_in_submission_order() {
     c.wait_workers(&["w1"]).await;
     let mut slow = sh("sleep 30");
     slow.max_attempts = 1;
-    slow.timeout = Some(prost_types::Duration {
+    slow.timeout = Some(pbjson_types::Duration {
         seconds: 0,
         nanos: 300_000_000,
     });

@@ -678,7 +678,7 @@ async fn bad_input_is_refused_naming_the_field_and_writes_nothing() {
         (
             "bad-window",
             ScheduleDefinition {
-                catchup_window: Some(prost_types::Duration {
+                catchup_window: Some(pbjson_types::Duration {
                     seconds: 30 * 24 * 3600,
                     nanos: 0,
                 }),

@@ -41,7 +41,9 @@ pub fn leader_to_proto(l: &LeaderInfo) -> proto::LeaderInfo {
         replica_id: l.replica_id.clone(),
         advertise: l.advertise.clone(),
         term: l.term,
-        elected_at: l.elected_at.map(prost_types::Timestamp::from),
+        elected_at: l
+            .elected_at
+            .map(|t| pbjson_types::Timestamp::from(chrono::DateTime::<chrono::Utc>::from(t))),
         lease_id: l.lease_id,
     }
 }

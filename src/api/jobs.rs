@@ -71,7 +71,7 @@ pub(super) fn spec_proto(s: &JobSpec) -> proto::JobSpec {
         env: s.env.clone().into_iter().collect(),
         cleanup_command: s.cleanup_command.clone(),
         max_attempts: s.max_attempts,
-        timeout: prost_types::Duration::try_from(s.timeout).ok(),
+        timeout: Some(s.timeout.into()),
         worker_selector: s.worker_selector.clone().into_iter().collect(),
         cleanup_steps: s
             .cleanup_steps

@@ -13,7 +13,7 @@ mod status;
 pub use cluster::ClusterApi;
 pub use fleet::FleetApi;
 pub use health::{Ready, LIVENESS};
-pub use jobs::{job_view, JobApi};
+pub use jobs::{job_view, JobApi, MAX_REQUEST_BYTES};
 pub use metrics::serve_metrics;
 pub use schedules::{schedule_view, ScheduleApi};
 

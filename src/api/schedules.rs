@@ -56,7 +56,7 @@ fn catchup_of(p: i32) -> Result<Catchup, Invalid> {
     }
 }
 
-fn window_of(d: Option<prost_types::Duration>) -> Result<Duration, Invalid> {
+fn window_of(d: Option<pbjson_types::Duration>) -> Result<Duration, Invalid> {
     match d {
         None => Ok(Duration::ZERO),
         Some(d) => Duration::try_from(d).map_err(|_| Invalid {
@@ -133,7 +133,7 @@ pub fn schedule_view(v: &View) -> proto::Schedule {
             tz: r.tz.clone(),
             overlap: overlap as i32,
             catchup: catchup as i32,
-            catchup_window: prost_types::Duration::try_from(r.catchup_window).ok(),
+            catchup_window: Some(r.catchup_window.into()),
             keep_results: r.keep_results,
             spec: Some(spec_proto(&r.spec)),
         }),

@@ -265,9 +265,7 @@ pub fn spec_of(args: &JobSpecArgs) -> anyhow::Result<JobSpec> {
             .unwrap_or_default(),
         cleanup_steps,
         max_attempts: args.max_attempts,
-        timeout: args
-            .attempt_timeout
-            .and_then(|t| prost_types::Duration::try_from(t).ok()),
+        timeout: args.attempt_timeout.map(pbjson_types::Duration::from),
         worker_selector,
     })
 }

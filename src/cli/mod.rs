@@ -109,13 +109,19 @@ async fn get_leader(args: &ClientArgs) -> anyhow::Result<LeaderInfo> {
     .await
 }
 
+/// A protobuf time as RFC 3339, as its JSON mapping writes it.
+fn rfc3339(t: &pbjson_types::Timestamp) -> Option<String> {
+    let at = chrono::DateTime::<chrono::Utc>::try_from(*t).ok()?;
+    Some(at.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true))
+}
+
 fn leader_json(l: &LeaderInfo) -> serde_json::Value {
     json!({
         "replica_id": l.replica_id,
         "advertise": l.advertise,
         "term": l.term,
         "lease_id": format!("{:x}", l.lease_id),
-        "elected_at": l.elected_at.as_ref().map(|t| t.to_string()),
+        "elected_at": l.elected_at.as_ref().and_then(rfc3339),
     })
 }
 
@@ -126,6 +132,7 @@ fn print_leader(prefix: &str, l: &LeaderInfo, output: Output) {
             let at = l
                 .elected_at
                 .as_ref()
+                .and_then(rfc3339)
                 .map(|t| format!(", elected {t}"))
                 .unwrap_or_default();
             println!(

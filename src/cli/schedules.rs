@@ -79,7 +79,7 @@ fn policy(p: &SchedulePolicyArgs, d: &mut ScheduleDefinition) -> anyhow::Result<
         fields.push("catchup".into());
     }
     if let Some(w) = p.catchup_window {
-        d.catchup_window = prost_types::Duration::try_from(w).ok();
+        d.catchup_window = Some(w.into());
         fields.push("catchup_window".into());
     }
     if let Some(n) = p.keep_results {

@@ -11,6 +11,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 mod bench;
 mod common;
 mod drill;
+mod http;
 mod security;
 mod serve;
 mod worker;
@@ -18,6 +19,7 @@ mod worker;
 pub use bench::{BenchArgs, ALL_SCENARIOS};
 pub use common::{validate_name, ConfigError, EtcdArgs};
 pub use drill::{DrillArgs, ALL_FAULTS};
+pub use http::HttpArgs;
 pub use security::{ClientSecurityArgs, SecurityArgs};
 pub use serve::ServeArgs;
 pub use worker::{RunArgs, WorkerArgs, WorkerCommand, WorkerIdArgs};
@@ -411,7 +413,8 @@ pub struct DevArgs {
     #[arg(long, env = "BATON_LEASE_TTL", value_parser = humantime::parse_duration, default_value = "5s")]
     pub lease_ttl: Duration,
     /// First replica's gRPC port (then +1, +2, ...); 0 picks free ports. Separate workers
-    /// listen from base port + 100 on.
+    /// listen from base port + 100 on, metrics from + 200, the replicas' HTTP API and console
+    /// from + 400.
     #[arg(long, env = "BATON_DEV_BASE_PORT", default_value_t = 7600)]
     pub base_port: u16,
     /// Separate `baton worker` processes (labelled `pool=workers`), besides the worker

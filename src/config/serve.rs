@@ -9,6 +9,7 @@ use clap::Args;
 use crate::retry::Policy;
 
 use super::common::{host_name, validate_lease, validate_name, ConfigError, EtcdArgs};
+use super::http::HttpArgs;
 use super::security::SecurityArgs;
 use super::worker::RunArgs;
 
@@ -93,6 +94,8 @@ pub struct ServeArgs {
     pub run: RunArgs,
     #[command(flatten)]
     pub security: SecurityArgs,
+    #[command(flatten)]
+    pub http: HttpArgs,
     /// Test and drill hook: stop each cleanup after recording this stage.
     #[arg(long, env = "BATON_CLEANUP_PAUSE_AFTER_STAGE", hide = true)]
     pub cleanup_pause_after_stage: Option<u32>,
@@ -211,6 +214,10 @@ impl ServeArgs {
         validate_name("--replica-id", &self.replica_id())?;
         self.run.validate()?;
         self.security.validate(self.listen)?;
+        if let Some(addr) = self.http.http_listen {
+            self.security.validate(addr)?;
+        }
+        self.http.validate()?;
         if !(self.max_starts_per_second.is_finite() && self.max_starts_per_second > 0.0) {
             return Err(ConfigError(
                 "--max-starts-per-second must be a number above 0".into(),

@@ -35,7 +35,11 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         })?;
         Ok(listen)
     };
-    let spec = |id: String, listen: SocketAddr, metrics: SocketAddr, worker: bool| {
+    let spec = |id: String,
+                listen: SocketAddr,
+                metrics: SocketAddr,
+                http: Option<SocketAddr>,
+                worker: bool| {
         // A short drain, so Ctrl-C stops everything in seconds.
         let mut extra = vec![
             "--storage-dir".into(),
@@ -47,6 +51,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         ];
         if worker {
             extra.extend(["--labels".into(), "pool=workers".into()]);
+        }
+        if let Some(h) = http {
+            extra.extend(["--http-listen".into(), h.to_string()]);
         }
         ReplicaSpec {
             id,
@@ -61,24 +68,34 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         }
     };
     let mut replicas = Vec::new();
+    let mut consoles = Vec::new();
     for i in 0..args.replicas.max(1) {
         let listen = port_for(i as u16)?;
         let metrics = port_for(200 + i as u16)?;
-        let r = ReplicaProcess::spawn(spec(format!("replica-{}", i + 1), listen, metrics, false))
+        let http = port_for(400 + i as u16)?;
+        let id = format!("replica-{}", i + 1);
+        let r = ReplicaProcess::spawn(spec(id, listen, metrics, Some(http), false))
             .context("starting a replica")?;
         println!(
-            "{}: {} (metrics http://{metrics}/metrics; log {})",
+            "{}: {} (console http://{http}/; metrics http://{metrics}/metrics; log {})",
             r.id(),
             listen,
             r.log_path().display()
         );
+        consoles.push(http);
         replicas.push(r);
     }
     for i in 0..args.workers {
         let listen = port_for(100 + i as u16)?;
         let metrics = port_for(300 + i as u16)?;
-        let w = ReplicaProcess::spawn(spec(format!("worker-{}", i + 1), listen, metrics, true))
-            .context("starting a worker")?;
+        let w = ReplicaProcess::spawn(spec(
+            format!("worker-{}", i + 1),
+            listen,
+            metrics,
+            None,
+            true,
+        ))
+        .context("starting a worker")?;
         println!(
             "{}: {} (separate worker, pool=workers; metrics http://{metrics}/metrics; log {})",
             w.id(),
@@ -105,6 +122,10 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let eps = endpoints.join(",");
     // The binary's own path, so the commands work as printed without `baton` on PATH.
     let b = bin.display();
+    if let Some(c) = consoles.first() {
+        println!("\nconsole: http://{c}/");
+        println!("      curl -s http://{c}/api/v1/leader");
+    }
     println!("\ntry:  {b} leader get --endpoints {eps}");
     println!("      {b} worker list --endpoints {eps}");
     if args.workers > 0 && !args.no_demo {

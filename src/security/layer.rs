@@ -10,7 +10,8 @@ use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tonic::Status;
 
 use super::files::Watched;
-use super::roles::{required, Caller, Role};
+use super::operations::{self, Access};
+use super::roles::{Caller, Role};
 use super::tls::common_name;
 use super::tokens::TokenTable;
 
@@ -30,11 +31,12 @@ impl Policy {
         self.tokens.is_some() || self.mtls
     }
 
-    /// The caller of a request with these headers over a connection with these extensions.
+    /// The caller of a request with these headers, over a connection whose verified client
+    /// certificate has this CN.
     pub fn authenticate(
         &self,
         headers: &http::HeaderMap,
-        ext: &http::Extensions,
+        peer_cn: Option<String>,
     ) -> Result<Caller, Status> {
         if let Some(value) = headers.get(http::header::AUTHORIZATION) {
             let token = value
@@ -54,11 +56,7 @@ impl Policy {
                 None => Err(Status::unauthenticated("invalid token")),
             };
         }
-        let cn = ext
-            .get::<TlsConnectInfo<TcpConnectInfo>>()
-            .and_then(|i| i.peer_certs())
-            .and_then(|certs| certs.first().and_then(|c| common_name(c)));
-        match cn {
+        match peer_cn {
             Some(cn) => match self.cert_roles.get(&cn) {
                 Some(&role) => Ok(Caller { name: cn, role }),
                 None => Err(Status::permission_denied(format!(
@@ -71,23 +69,25 @@ impl Policy {
         }
     }
 
-    /// The caller, if allowed to call `path`.
+    /// The caller, if allowed to call `what`, an operation that needs `access`. `None` when
+    /// the operation is open or authentication is off.
     pub fn check(
         &self,
-        path: &str,
+        what: &str,
+        access: Access,
         headers: &http::HeaderMap,
-        ext: &http::Extensions,
+        peer_cn: Option<String>,
     ) -> Result<Option<Caller>, Status> {
-        let Some(need) = required(path) else {
+        let Access::Needs(need) = access else {
             return Ok(None);
         };
         if !self.enabled() {
             return Ok(None);
         }
-        let caller = self.authenticate(headers, ext)?;
+        let caller = self.authenticate(headers, peer_cn)?;
         if caller.role < need {
             return Err(Status::permission_denied(format!(
-                "{} has the role {}; {path} needs {need}",
+                "{} has the role {}; {what} needs {need}",
                 caller.name, caller.role
             )));
         }
@@ -148,9 +148,15 @@ where
     }
 
     fn call(&mut self, mut req: http::Request<ReqBody>) -> Self::Future {
+        let path = req.uri().path();
+        let cn = req
+            .extensions()
+            .get::<TlsConnectInfo<TcpConnectInfo>>()
+            .and_then(|i| i.peer_certs())
+            .and_then(|certs| certs.first().and_then(|c| common_name(c)));
         let checked = self
             .policy
-            .check(req.uri().path(), req.headers(), req.extensions());
+            .check(path, operations::grpc(path), req.headers(), cn);
         match checked {
             Ok(caller) => {
                 if let Some(c) = caller {

@@ -5,6 +5,7 @@
 mod client;
 mod files;
 mod layer;
+pub mod operations;
 mod roles;
 mod tls;
 mod tokens;
@@ -14,7 +15,8 @@ pub use files::Watched;
 pub use layer::{AuthLayer, Policy};
 pub use roles::{caller_name, required, Caller, Role};
 pub use tls::{
-    common_name, incoming, server_config, watched_server_config, ClientTlsFiles, ServerTlsFiles,
+    common_name, incoming, incoming_http, server_config, watched_server_config, ClientTlsFiles,
+    ServerTlsFiles,
 };
 pub use tokens::{digest, TokenTable, MIN_TOKEN_LEN};
 

@@ -1,4 +1,4 @@
-//! Roles, what each gRPC method needs, and the authenticated caller handlers read.
+//! Roles, what each gRPC method needs (from [`super::operations`]), and the authenticated caller handlers read.
 
 use std::fmt;
 use std::str::FromStr;
@@ -47,27 +47,12 @@ impl FromStr for Role {
 }
 
 /// The role a gRPC method (`/package.Service/Method`) needs; `None` for the ones open to
-/// everybody (health, so probes and load balancers need no credentials). Methods not listed
-/// need `admin`: a method added later is closed until someone decides otherwise.
+/// everybody. See [`super::operations`].
 pub fn required(path: &str) -> Option<Role> {
-    let Some((service, method)) = path.trim_start_matches('/').split_once('/') else {
-        return Some(Role::Admin);
-    };
-    let role = match (service, method) {
-        ("grpc.health.v1.Health", _) => return None,
-        (s, _) if s.starts_with("grpc.reflection.") => Role::Read,
-        ("baton.v1.JobService", "SubmitJob" | "CancelJob") => Role::Submit,
-        (
-            "baton.v1.JobService",
-            "GetJob" | "ListJobs" | "WatchJob" | "GetJobLogs" | "FollowJobLogs",
-        ) => Role::Read,
-        ("baton.v1.ScheduleService", "GetSchedule" | "ListSchedules") => Role::Read,
-        ("baton.v1.ScheduleService", _) => Role::Submit,
-        ("baton.v1.ClusterService", "GetLeader" | "GetLeaderHistory") => Role::Read,
-        ("baton.v1.FleetService", "ListWorkers") => Role::Read,
-        _ => Role::Admin,
-    };
-    Some(role)
+    match super::operations::grpc(path) {
+        super::operations::Access::Open => None,
+        super::operations::Access::Needs(role) => Some(role),
+    }
 }
 
 /// Who made a request, as authenticated by [`super::AuthLayer`]; in the request's extensions

@@ -90,6 +90,22 @@ pub fn incoming(
     listener: TcpListener,
     config: Watched<ServerConfig>,
 ) -> ReceiverStream<Result<TlsStream<TcpStream>, std::io::Error>> {
+    accept(listener, config, false)
+}
+
+/// [`incoming`] for the HTTP listener: browsers and curl may speak HTTP/1.1 as well as h2.
+pub fn incoming_http(
+    listener: TcpListener,
+    config: Watched<ServerConfig>,
+) -> ReceiverStream<Result<TlsStream<TcpStream>, std::io::Error>> {
+    accept(listener, config, true)
+}
+
+fn accept(
+    listener: TcpListener,
+    config: Watched<ServerConfig>,
+    http1: bool,
+) -> ReceiverStream<Result<TlsStream<TcpStream>, std::io::Error>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
         loop {
@@ -105,7 +121,13 @@ pub fn incoming(
                 _ = tx.closed() => return,
             };
             let _ = tcp.set_nodelay(true);
-            let acceptor = TlsAcceptor::from(config.get());
+            let acceptor = if http1 {
+                let mut c = ServerConfig::clone(&config.get());
+                c.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+                TlsAcceptor::from(Arc::new(c))
+            } else {
+                TlsAcceptor::from(config.get())
+            };
             let tx = tx.clone();
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {

@@ -12,6 +12,8 @@ use baton::proto::cluster_service_client::ClusterServiceClient;
 use baton::proto::{GetLeaderRequest, GetLeaderResponse, LeaderInfo};
 use baton::rolelog::{self, RoleEvent, TermInterval};
 
+pub mod pki;
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_baton");
 
 /// Starts etcd, or fails the test with the install hint when the binary is missing.
@@ -38,6 +40,8 @@ pub struct Options {
     pub embedded: bool,
     /// Give every replica and separate worker `--metrics-listen` on a free port.
     pub metrics: bool,
+    /// Give every replica `--http-listen` on a free port.
+    pub http: bool,
 }
 
 impl Default for Options {
@@ -52,6 +56,7 @@ impl Default for Options {
             worker_args: Vec::new(),
             embedded: true,
             metrics: false,
+            http: false,
         }
     }
 }
@@ -68,6 +73,8 @@ pub struct Cluster {
     /// `/metrics` of each replica and of each separate worker, with [`Options::metrics`].
     pub replica_metrics: Vec<SocketAddr>,
     pub worker_metrics: Vec<SocketAddr>,
+    /// The HTTP API of each replica, with [`Options::http`].
+    pub replica_http: Vec<SocketAddr>,
 }
 
 impl Cluster {
@@ -103,12 +110,18 @@ impl Cluster {
             }
             [args, extra.to_vec()].concat()
         };
+        let mut replica_http = Vec::new();
         for i in 0..opts.replicas {
-            let embedded = [
+            let mut embedded = [
                 vec!["--worker".to_string(), opts.embedded.to_string()],
                 opts.extra_args.clone(),
             ]
             .concat();
+            if opts.http {
+                let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+                embedded.extend(["--http-listen".to_string(), addr.to_string()]);
+                replica_http.push(addr);
+            }
             let spec = ReplicaSpec {
                 id: format!("r{}", i + 1),
                 bin: BIN.into(),
@@ -147,6 +160,7 @@ impl Cluster {
             dir,
             replica_metrics,
             worker_metrics,
+            replica_http,
         }
     }
 

@@ -1,0 +1,666 @@
+//! The HTTP JSON API on a real cluster: every documented route behind its role, TLS, the
+//! browser-safety refusals, and bad input answered 400 with nothing written.
+
+mod support;
+
+use std::time::Duration;
+
+use reqwest::{Method, StatusCode};
+use serde_json::{json, Value};
+use support::pki::*;
+use support::*;
+
+/// The document the server serves (and the repository keeps).
+const OPENAPI: &str = include_str!("../docs/openapi.json");
+
+struct Answer {
+    status: StatusCode,
+    headers: reqwest::header::HeaderMap,
+    body: String,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+
+    /// The gRPC code's name of an error answer.
+    fn code(&self) -> String {
+        self.json()["code"].as_str().unwrap_or_default().to_string()
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap()
+}
+
+async fn send(
+    client: &reqwest::Client,
+    method: Method,
+    url: &str,
+    token: Option<&str>,
+    headers: &[(&str, &str)],
+    body: Option<String>,
+) -> Answer {
+    let mut r = client.request(method.clone(), url);
+    if let Some(t) = token {
+        r = r.bearer_auth(t);
+    }
+    if method != Method::GET
+        && !headers
+            .iter()
+            .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+    {
+        r = r.header("content-type", "application/json");
+    }
+    for (k, v) in headers {
+        r = r.header(*k, *v);
+    }
+    if let Some(b) = body {
+        r = r.body(b);
+    }
+    let resp = r
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{method} {url}: {e}"));
+    Answer {
+        status: resp.status(),
+        headers: resp.headers().clone(),
+        body: resp.text().await.unwrap_or_default(),
+    }
+}
+
+/// Whether `url` answers 200 with `token`; `false` while the listener is not up yet.
+async fn answers(client: &reqwest::Client, url: &str, token: Option<&str>) -> bool {
+    let mut r = client.get(url);
+    if let Some(t) = token {
+        r = r.bearer_auth(t);
+    }
+    r.send().await.is_ok_and(|a| a.status() == StatusCode::OK)
+}
+
+/// Every `(method, route)` the OpenAPI document lists, with the role it says it needs.
+fn documented() -> Vec<(Method, String, String)> {
+    let doc: Value = serde_json::from_str(OPENAPI).unwrap();
+    let mut out = Vec::new();
+    for (route, ops) in doc["paths"].as_object().unwrap() {
+        for (method, op) in ops.as_object().unwrap() {
+            let m = Method::from_bytes(method.to_ascii_uppercase().as_bytes()).unwrap();
+            let role = op["x-baton-role"].as_str().unwrap().to_string();
+            out.push((m, route.clone(), role));
+        }
+    }
+    out
+}
+
+fn concrete(route: &str) -> String {
+    route
+        .replace("{job_id}", "no-such-job")
+        .replace("{name}", "no-such-schedule")
+        .replace("{worker_id}", "no-such-worker")
+}
+
+/// Every key under the cluster's prefix with its mod revision: what a refused request must
+/// leave as it was.
+async fn etcd_state(c: &Cluster) -> Vec<(String, i64)> {
+    let mut client = etcd_client::Client::connect(c.etcd.endpoints(), None)
+        .await
+        .unwrap();
+    let resp = client
+        .get(
+            "/baton/",
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    resp.kvs()
+        .iter()
+        .map(|kv| {
+            (
+                String::from_utf8_lossy(kv.key()).into_owned(),
+                kv.mod_revision(),
+            )
+        })
+        .collect()
+}
+
+fn http_opts(extra: Vec<String>) -> Options {
+    Options {
+        replicas: 1,
+        http: true,
+        extra_args: extra,
+        ..Options::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_documented_route_needs_a_token_and_writes_need_their_role() {
+    let secrets = tempfile::tempdir().unwrap();
+    let file = tokens(secrets.path());
+    let c = Cluster::start(http_opts(vec![
+        "--auth-tokens-file".into(),
+        file.display().to_string(),
+    ]));
+    let base = format!("http://{}", c.replica_http[0]);
+    let http = client();
+    let leader = format!("{base}/api/v1/leader");
+    wait_for(
+        "the HTTP API to answer",
+        Duration::from_secs(30),
+        || async { answers(&http, &leader, Some(READ)).await.then_some(()) },
+    )
+    .await;
+    let routes = documented();
+    assert!(
+        routes.len() >= 20,
+        "the document lists {} operations",
+        routes.len()
+    );
+    let before = etcd_state(&c).await;
+    for (method, route, role) in &routes {
+        let url = format!("{base}{}", concrete(route));
+        let body = (*method != Method::GET).then(|| "{}".to_string());
+        let none = send(&http, method.clone(), &url, None, &[], body.clone()).await;
+        assert_eq!(
+            none.status,
+            StatusCode::UNAUTHORIZED,
+            "{method} {route} without a token"
+        );
+        assert_eq!(none.code(), "UNAUTHENTICATED", "{method} {route}");
+        assert_eq!(none.headers["www-authenticate"], "Bearer");
+        let wrong = send(
+            &http,
+            method.clone(),
+            &url,
+            Some("wrong-token-0123456789"),
+            &[],
+            body.clone(),
+        )
+        .await;
+        assert_eq!(
+            wrong.status,
+            StatusCode::UNAUTHORIZED,
+            "{method} {route} with a wrong token"
+        );
+        let read = send(&http, method.clone(), &url, Some(READ), &[], body.clone()).await;
+        if role == "read" {
+            assert!(
+                ![StatusCode::UNAUTHORIZED, StatusCode::FORBIDDEN].contains(&read.status),
+                "{method} {route} refused a read token: {} {}",
+                read.status,
+                read.body
+            );
+        } else {
+            assert_eq!(
+                read.status,
+                StatusCode::FORBIDDEN,
+                "{method} {route} with a read token"
+            );
+            assert_eq!(read.code(), "PERMISSION_DENIED");
+            assert!(
+                read.json()["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains(role.as_str()),
+                "{}",
+                read.body
+            );
+        }
+    }
+    assert_eq!(
+        etcd_state(&c).await,
+        before,
+        "a refused request wrote to etcd"
+    );
+
+    // The roles as the routes see them.
+    for (token, role) in [(READ, "read"), (SUBMIT, "submit"), (ADMIN, "admin")] {
+        let a = send(
+            &http,
+            Method::GET,
+            &format!("{base}/api/v1/whoami"),
+            Some(token),
+            &[],
+            None,
+        )
+        .await;
+        assert_eq!(a.status, StatusCode::OK);
+        assert_eq!(a.json()["role"], role);
+        assert_eq!(a.json()["authentication"], true);
+    }
+    // A submit token submits; what the API answers is what gRPC answers.
+    let spec =
+        json!({"job_id": "via-http", "spec": {"command": ["sh", "-c", "echo hello over http"]}});
+    let a = send(
+        &http,
+        Method::POST,
+        &format!("{base}/api/v1/jobs"),
+        Some(SUBMIT),
+        &[],
+        Some(spec.to_string()),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.json()["job"]["job_id"], "via-http");
+    assert_eq!(a.json()["job"]["submitted_by"], "ci");
+    let done = wait_for("the job to finish", Duration::from_secs(60), || async {
+        let a = send(
+            &http,
+            Method::GET,
+            &format!("{base}/api/v1/jobs/via-http"),
+            Some(READ),
+            &[],
+            None,
+        )
+        .await;
+        (a.json()["state"] == "FINISHED").then_some(a)
+    })
+    .await;
+    assert_eq!(done.json()["exit_code"], 0);
+    let logs = send(
+        &http,
+        Method::GET,
+        &format!("{base}/api/v1/jobs/via-http/logs"),
+        Some(READ),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(logs.status, StatusCode::OK);
+    assert!(logs.headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain"));
+    assert_eq!(logs.body, "hello over http\n");
+    let grpc = c.get_job(0, "via-http").await;
+    assert!(grpc.is_none(), "gRPC needs a token too");
+    // Submitting the same id with another spec: 409, as ALREADY_EXISTS.
+    let other = json!({"job_id": "via-http", "spec": {"command": ["true"]}});
+    let a = send(
+        &http,
+        Method::POST,
+        &format!("{base}/api/v1/jobs"),
+        Some(SUBMIT),
+        &[],
+        Some(other.to_string()),
+    )
+    .await;
+    assert_eq!(
+        (a.status, a.code().as_str()),
+        (StatusCode::CONFLICT, "ALREADY_EXISTS")
+    );
+    // Cancelling a finished job: 409, as FAILED_PRECONDITION.
+    let a = send(
+        &http,
+        Method::POST,
+        &format!("{base}/api/v1/jobs/via-http/cancel"),
+        Some(SUBMIT),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(
+        (a.status, a.code().as_str()),
+        (StatusCode::CONFLICT, "FAILED_PRECONDITION"),
+        "{}",
+        a.body
+    );
+    let a = send(
+        &http,
+        Method::GET,
+        &format!("{base}/api/v1/jobs/no-such-job"),
+        Some(READ),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(
+        (a.status, a.code().as_str()),
+        (StatusCode::NOT_FOUND, "NOT_FOUND")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_and_foreign_pages_are_refused_with_json_and_change_nothing() {
+    let c = Cluster::start(http_opts(Vec::new()));
+    let host = c.replica_http[0];
+    let base = format!("http://{host}");
+    let http = client();
+    let url = format!("{base}/api/v1/leader");
+    wait_for(
+        "the HTTP API to name a leader",
+        Duration::from_secs(30),
+        || async { answers(&http, &url, None).await.then_some(()) },
+    )
+    .await;
+    let leader = send(&http, Method::GET, &url, None, &[], None).await;
+    // Every answer: a strict CSP, nosniff, no framing, no CORS.
+    let csp = leader.headers["content-security-policy"].to_str().unwrap();
+    for part in [
+        "default-src 'self'",
+        "frame-ancestors 'none'",
+        "script-src 'self'",
+    ] {
+        assert!(csp.contains(part), "{csp}");
+    }
+    assert!(!csp.contains("unsafe-inline"));
+    assert_eq!(leader.headers["x-content-type-options"], "nosniff");
+    assert!(leader
+        .headers
+        .keys()
+        .all(|k| !k.as_str().starts_with("access-control-")));
+    let before = etcd_state(&c).await;
+    let jobs = format!("{base}/api/v1/jobs");
+    let huge = json!({"job_id": "huge", "spec": {"command": ["echo", "x".repeat(300 * 1024)]}});
+    let bodies = [
+        ("malformed JSON", "{\"job_id\": ".to_string()),
+        ("not an object", "[1, 2]".to_string()),
+        (
+            "an unknown field",
+            json!({"job_id": "u", "spec": {"command": ["true"]}, "priority": 9}).to_string(),
+        ),
+        (
+            "an unknown spec field",
+            json!({"job_id": "u", "spec": {"command": ["true"], "nice": 1}}).to_string(),
+        ),
+        (
+            "a wrong type",
+            json!({"job_id": "u", "spec": {"command": "true"}}).to_string(),
+        ),
+        ("no command", json!({"job_id": "u", "spec": {}}).to_string()),
+        ("an oversized body", huge.to_string()),
+        (
+            "a path in the id",
+            json!({"job_id": "../../etc/passwd", "spec": {"command": ["true"]}}).to_string(),
+        ),
+        (
+            "markup in the id",
+            json!({"job_id": "<img src=x onerror=alert(1)>", "spec": {"command": ["true"]}})
+                .to_string(),
+        ),
+        (
+            "a NUL in the id",
+            json!({"job_id": "a\u{0}b", "spec": {"command": ["true"]}}).to_string(),
+        ),
+        (
+            "a long id",
+            json!({"job_id": "x".repeat(5000), "spec": {"command": ["true"]}}).to_string(),
+        ),
+    ];
+    for (what, body) in bodies {
+        let a = send(&http, Method::POST, &jobs, None, &[], Some(body)).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{what}: {}", a.body);
+        assert_eq!(a.code(), "INVALID_ARGUMENT", "{what}");
+        assert!(!a.json()["message"].as_str().unwrap().is_empty());
+    }
+    for id in ["..%2F..%2Fetc", "%3Cscript%3E", "a%00b", "%E2%80%AE"] {
+        let a = send(&http, Method::GET, &format!("{jobs}/{id}"), None, &[], None).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "GET {id}: {}", a.body);
+        let a = send(
+            &http,
+            Method::POST,
+            &format!("{jobs}/{id}/cancel"),
+            None,
+            &[],
+            None,
+        )
+        .await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "cancel {id}: {}", a.body);
+    }
+    let a = send(
+        &http,
+        Method::GET,
+        &format!("{jobs}?page_size=x"),
+        None,
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.body);
+    let a = send(
+        &http,
+        Method::GET,
+        &format!("{jobs}?state=SLEEPING"),
+        None,
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.body);
+    // The path's id and the body's must agree.
+    let a = send(
+        &http,
+        Method::POST,
+        &format!("{jobs}/a/cleanup/abandon"),
+        None,
+        &[],
+        Some(json!({"job_id": "b"}).to_string()),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.body);
+
+    // What a page on another site, or under a rebound name, would send.
+    let good = json!({"job_id": "foreign", "spec": {"command": ["true"]}}).to_string();
+    let other_port = format!("http://127.0.0.1:{}", host.port() + 1);
+    let own = format!("http://{host}");
+    let refusals: [(&str, Vec<(&str, &str)>, StatusCode); 6] = [
+        (
+            "a rebound name",
+            vec![("host", "evil.test")],
+            StatusCode::MISDIRECTED_REQUEST,
+        ),
+        (
+            "a rebound name with a port",
+            vec![("host", "evil.test:80")],
+            StatusCode::MISDIRECTED_REQUEST,
+        ),
+        (
+            "another origin",
+            vec![("origin", other_port.as_str())],
+            StatusCode::FORBIDDEN,
+        ),
+        (
+            "an opaque origin",
+            vec![("origin", "null")],
+            StatusCode::FORBIDDEN,
+        ),
+        (
+            "a cross-site fetch",
+            vec![("sec-fetch-site", "cross-site")],
+            StatusCode::FORBIDDEN,
+        ),
+        (
+            "a form post",
+            vec![("content-type", "text/plain")],
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        ),
+    ];
+    for (what, headers, status) in &refusals {
+        let a = send(
+            &http,
+            Method::POST,
+            &jobs,
+            None,
+            headers,
+            Some(good.clone()),
+        )
+        .await;
+        assert_eq!(a.status, *status, "{what}: {}", a.body);
+        assert!(
+            a.headers["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with("application/json"),
+            "{what}"
+        );
+        assert!(
+            a.headers
+                .keys()
+                .all(|k| !k.as_str().starts_with("access-control-")),
+            "{what}"
+        );
+    }
+    let a = send(
+        &http,
+        Method::GET,
+        &format!("{base}/api/v1/leader"),
+        None,
+        &[("host", "evil.test")],
+        None,
+    )
+    .await;
+    assert_eq!(
+        a.status,
+        StatusCode::MISDIRECTED_REQUEST,
+        "a read under a rebound name"
+    );
+    assert_eq!(
+        etcd_state(&c).await,
+        before,
+        "a refused request wrote to etcd"
+    );
+
+    // The console's own page passes, and so do names that are this server's.
+    let a = send(
+        &http,
+        Method::POST,
+        &jobs,
+        None,
+        &[("origin", own.as_str()), ("sec-fetch-site", "same-origin")],
+        Some(good.clone()),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let localhost = format!("localhost:{}", host.port());
+    let a = send(
+        &http,
+        Method::GET,
+        &format!("{base}/api/v1/jobs/foreign"),
+        None,
+        &[("host", localhost.as_str())],
+        None,
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let a = send(
+        &http,
+        Method::GET,
+        &format!("{base}/api/v1/nothing-here"),
+        None,
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(
+        (a.status, a.code().as_str()),
+        (StatusCode::NOT_FOUND, "NOT_FOUND")
+    );
+    let doc = send(
+        &http,
+        Method::GET,
+        &format!("{base}/api/v1/openapi.json"),
+        None,
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(doc.body, OPENAPI);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_serves_the_api_and_a_certificate_alone_does_not_authorise_a_browser() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let ca = Ca::new("http-ca");
+    let ca_pem = ca.save(dir, "ca.pem");
+    let (cert, key) = ca.issue(dir, "server", "server");
+    let (ccert, ckey) = ca.issue(dir, "client", "ops-robot");
+    let file = tokens(dir);
+    let c = Cluster::start(http_opts(vec![
+        "--tls-cert".into(),
+        cert.display().to_string(),
+        "--tls-key".into(),
+        key.display().to_string(),
+        "--tls-client-ca".into(),
+        ca_pem.display().to_string(),
+        "--tls-client-roles".into(),
+        "ops-robot=admin".into(),
+        "--auth-tokens-file".into(),
+        file.display().to_string(),
+    ]));
+    let port = c.replica_http[0].port();
+    let base = format!("https://127.0.0.1:{port}");
+    let root = reqwest::Certificate::from_pem(&std::fs::read(&ca_pem).unwrap()).unwrap();
+    let anonymous = reqwest::Client::builder()
+        .add_root_certificate(root.clone())
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let pem = [
+        std::fs::read(&ccert).unwrap(),
+        std::fs::read(&ckey).unwrap(),
+    ]
+    .concat();
+    let robot = reqwest::Client::builder()
+        .add_root_certificate(root)
+        .identity(reqwest::Identity::from_pem(&pem).unwrap())
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let leader = format!("{base}/api/v1/leader");
+    wait_for(
+        "the HTTPS API to name a leader",
+        Duration::from_secs(30),
+        || async {
+            let r = anonymous.get(&leader).bearer_auth(READ).send().await.ok()?;
+            (r.status() == StatusCode::OK).then_some(())
+        },
+    )
+    .await;
+    let a = send(&anonymous, Method::GET, &leader, None, &[], None).await;
+    assert_eq!(a.status, StatusCode::UNAUTHORIZED);
+    let a = send(
+        &robot,
+        Method::GET,
+        &format!("{base}/api/v1/whoami"),
+        None,
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.json()["name"], "ops-robot");
+    assert_eq!(a.json()["role"], "admin");
+    // From a page (an Origin, even its own), the certificate alone is not enough.
+    let own = format!("https://127.0.0.1:{port}");
+    let a = send(
+        &robot,
+        Method::GET,
+        &leader,
+        None,
+        &[("origin", own.as_str())],
+        None,
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::UNAUTHORIZED, "{}", a.body);
+    let a = send(
+        &robot,
+        Method::GET,
+        &leader,
+        Some(READ),
+        &[("origin", own.as_str())],
+        None,
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    // Plain HTTP on the TLS port gets no answer.
+    let plain = client()
+        .get(format!("http://127.0.0.1:{port}/api/v1/leader"))
+        .send()
+        .await;
+    assert!(plain.is_err() || plain.unwrap().status() != StatusCode::OK);
+}
