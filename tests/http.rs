@@ -13,6 +13,9 @@ use support::*;
 /// The document the server serves (and the repository keeps).
 const OPENAPI: &str = include_str!("../docs/openapi.json");
 
+/// What a request sends, and the status it must be refused with.
+type Refusal<'a> = (&'a str, Vec<(&'a str, &'a str)>, StatusCode);
+
 struct Answer {
     status: StatusCode,
     headers: reqwest::header::HeaderMap,
@@ -447,7 +450,7 @@ async fn bad_input_and_foreign_pages_are_refused_with_json_and_change_nothing() 
     let good = json!({"job_id": "foreign", "spec": {"command": ["true"]}}).to_string();
     let other_port = format!("http://127.0.0.1:{}", host.port() + 1);
     let own = format!("http://{host}");
-    let refusals: [(&str, Vec<(&str, &str)>, StatusCode); 6] = [
+    let refusals: [Refusal; 6] = [
         (
             "a rebound name",
             vec![("host", "evil.test")],
