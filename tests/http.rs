@@ -667,3 +667,151 @@ async fn tls_serves_the_api_and_a_certificate_alone_does_not_authorise_a_browser
         .await;
     assert!(plain.is_err() || plain.unwrap().status() != StatusCode::OK);
 }
+
+/// Lists every page of `query`, returning the pages (jobs' ids, whether the scan limit cut
+/// it short, its notice).
+async fn pages(
+    http: &reqwest::Client,
+    base: &str,
+    query: &str,
+) -> Vec<(Vec<String>, bool, String)> {
+    let mut out = Vec::new();
+    let mut token = String::new();
+    loop {
+        let url = format!("{base}/api/v1/jobs?{query}&page_token={token}");
+        let a = send(http, Method::GET, &url, None, &[], None).await;
+        assert_eq!(a.status, StatusCode::OK, "{url}: {}", a.body);
+        let v = a.json();
+        let ids = v["jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|j| j["job_id"].as_str().unwrap().to_string())
+            .collect();
+        out.push((
+            ids,
+            v["scan_limit_reached"] == true,
+            v["notice"].as_str().unwrap().to_string(),
+        ));
+        token = v["next_page_token"].as_str().unwrap().to_string();
+        if token.is_empty() {
+            return out;
+        }
+        assert!(out.len() < 100, "{query}: no end in sight");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paging_over_ten_thousand_jobs_is_complete_bounded_and_survives_compaction() {
+    use futures_util::StreamExt;
+    let c = Cluster::start(http_opts(Vec::new()));
+    let base = format!("http://{}", c.replica_http[0]);
+    let http = client();
+    let url = format!("{base}/api/v1/leader");
+    wait_for(
+        "the HTTP API to name a leader",
+        Duration::from_secs(30),
+        || async { answers(&http, &url, None).await.then_some(()) },
+    )
+    .await;
+    // 10,000 jobs no worker may run: they stay PENDING.
+    const N: usize = 10_000;
+    let ids: Vec<String> = (0..N).map(|i| format!("page-{i:05}")).collect();
+    let jobs = format!("{base}/api/v1/jobs");
+    futures_util::stream::iter(ids.iter())
+        .for_each_concurrent(32, |id| {
+            let (http, jobs) = (&http, &jobs);
+            async move {
+                let body = json!({"job_id": id, "spec": {"command": ["true"], "worker_selector": {"pool": "nowhere"}}});
+                let a = send(http, Method::POST, jobs, None, &[], Some(body.to_string())).await;
+                assert_eq!(a.status, StatusCode::OK, "{id}: {}", a.body);
+            }
+        })
+        .await;
+
+    // Every job once, in id order, in full pages.
+    let all = pages(&http, &base, "page_size=1000").await;
+    assert_eq!(all.len(), 10, "pages of 1000");
+    assert!(all.iter().all(|(p, short, _)| p.len() == 1000 && !short));
+    let listed: Vec<String> = all.into_iter().flat_map(|p| p.0).collect();
+    assert_eq!(listed, ids);
+
+    // A search by prefix reads only that prefix.
+    let found = pages(&http, &base, "id_prefix=page-042&page_size=30").await;
+    let listed: Vec<String> = found.iter().flat_map(|p| p.0.clone()).collect();
+    let want: Vec<String> = ids
+        .iter()
+        .filter(|i| i.starts_with("page-042"))
+        .cloned()
+        .collect();
+    assert_eq!(listed, want);
+    assert_eq!(found.len(), 4, "100 jobs in pages of 30");
+
+    // A filter nothing matches: short pages that say so, bounded by the scan limit, to the end.
+    let none = pages(&http, &base, "state=RUNNING&page_size=50").await;
+    assert!(none.iter().all(|(p, _, _)| p.is_empty()));
+    assert!(none[0].1, "the first page does not say it was cut short");
+    assert!(
+        (2..=3).contains(&none.len()),
+        "{} pages for 10,000 entries at 5,000 a request",
+        none.len()
+    );
+
+    // A token whose revision etcd compacted goes on at the newest revision, with a notice.
+    let first = send(
+        &http,
+        Method::GET,
+        &format!("{jobs}?page_size=100"),
+        None,
+        &[],
+        None,
+    )
+    .await;
+    let token = first.json()["next_page_token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let extra = json!({"job_id": "page-zzz", "spec": {"command": ["true"], "worker_selector": {"pool": "nowhere"}}});
+    let a = send(
+        &http,
+        Method::POST,
+        &jobs,
+        None,
+        &[],
+        Some(extra.to_string()),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK);
+    let mut etcd = etcd_client::Client::connect(c.etcd.endpoints(), None)
+        .await
+        .unwrap();
+    let now = etcd
+        .get("x", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+    etcd.compact(now, None).await.unwrap();
+    let next = send(
+        &http,
+        Method::GET,
+        &format!("{jobs}?page_size=100&page_token={token}"),
+        None,
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(next.status, StatusCode::OK, "{}", next.body);
+    let v = next.json();
+    assert!(
+        v["notice"].as_str().unwrap().contains("compacted"),
+        "{}",
+        next.body
+    );
+    assert_eq!(
+        v["jobs"][0]["job_id"], "page-00100",
+        "it goes on from the same id"
+    );
+    assert!(v["revision"].as_str().unwrap().parse::<i64>().unwrap() >= now);
+}

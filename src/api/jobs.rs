@@ -15,7 +15,6 @@ use crate::jobs::spec::{self, CleanupStep, JobSpec, StepMode};
 use crate::jobs::{self, Snapshot, State};
 use crate::proto::{self, job_service_server::JobService};
 use crate::security::{caller_name, ClientSecurity};
-use crate::store::codec;
 use crate::store::group::Limits;
 use crate::store::{GroupCommit, Keys, Store};
 
@@ -87,7 +86,7 @@ pub(super) fn spec_proto(s: &JobSpec) -> proto::JobSpec {
 
 /// The cleanup of `result`, each step as its entry records it (with the spec, while it is
 /// there, naming the steps not started yet).
-fn cleanup_proto(
+pub(super) fn cleanup_proto(
     result: Option<&JobResult>,
     clean: bool,
     spec: Option<&JobSpec>,
@@ -167,7 +166,7 @@ fn cleanup_proto(
     }
 }
 
-fn from_result(job: &mut proto::Job, r: &JobResult) {
+pub(super) fn from_result(job: &mut proto::Job, r: &JobResult) {
     job.state = state_proto(r.status.into()) as i32;
     job.spec_hash = r.spec_hash.clone();
     job.attempts = r.attempts;
@@ -188,7 +187,7 @@ fn from_result(job: &mut proto::Job, r: &JobResult) {
     job.log_tail = r.log_tail.clone();
 }
 
-fn from_registry(job: &mut proto::Job, e: &RegistryEntry) {
+pub(super) fn from_registry(job: &mut proto::Job, e: &RegistryEntry) {
     job.state = match e.status {
         RegistryStatus::Pending => proto::JobState::Pending,
         RegistryStatus::Running => proto::JobState::Running,
@@ -387,106 +386,8 @@ impl JobService for JobApi {
         &self,
         req: Request<proto::ListJobsRequest>,
     ) -> Result<Response<proto::ListJobsResponse>, Status> {
-        let req = req.into_inner();
-        let size = match req.page_size {
-            0 => 100,
-            n if n > 1000 => return Err(Status::invalid_argument("page_size: at most 1000")),
-            n => n as usize,
-        };
-        let state = proto::JobState::try_from(req.state)
-            .map_err(|_| Status::invalid_argument("state: unknown value"))?;
-        let cleanup = proto::CleanupState::try_from(req.cleanup)
-            .map_err(|_| Status::invalid_argument("cleanup: unknown value"))?;
-        let (mut rev, after) = parse_token(&req.page_token)?;
-        use proto::CleanupState as C;
-        use proto::JobState as S;
-        let active = matches!(state, S::Unspecified | S::Pending | S::Running)
-            && matches!(cleanup, C::Unspecified | C::CleanupNotStarted);
-        let terminal = matches!(
-            state,
-            S::Unspecified | S::Finished | S::Failed | S::Canceled
-        );
-        let mut prefixes = Vec::new();
-        if active {
-            prefixes.push(self.keys.registry());
-        }
-        if terminal && !matches!(cleanup, C::CleanupDone | C::CleanupNotStarted) {
-            prefixes.push(self.keys.dirty());
-        }
-        if terminal && matches!(cleanup, C::Unspecified | C::CleanupDone) {
-            prefixes.push(self.keys.clean());
-        }
-        let mut found: BTreeMap<String, proto::Job> = BTreeMap::new();
-        // The merge of the prefixes is complete up to the smallest last id scanned among the
-        // prefixes that may have more: the next page starts there, even if this one kept nothing.
-        let mut bound: Option<String> = None;
-        for prefix in &prefixes {
-            let (kvs, r) = jobs::page_ids(&self.store, prefix, &after, size as i64, rev).await?;
-            rev = r;
-            if kvs.len() == size {
-                if let Some(last) = kvs.last().and_then(|kv| Keys::id_in(prefix, kv.key())) {
-                    if bound.as_deref().is_none_or(|b| last < b) {
-                        bound = Some(last.to_string());
-                    }
-                }
-            }
-            for kv in kvs.iter() {
-                let Some(id) = Keys::id_in(prefix, kv.key()) else {
-                    continue;
-                };
-                let mut job = proto::Job {
-                    job_id: id.to_string(),
-                    revision: rev,
-                    ..Default::default()
-                };
-                if *prefix == self.keys.registry() {
-                    let Ok(e) = codec::decode_any::<RegistryEntry>(
-                        kv.key(),
-                        kv.value(),
-                        crate::jobs::records::REGISTRY_VERSIONS_READ,
-                    ) else {
-                        continue;
-                    };
-                    from_registry(&mut job, &e);
-                    job.cleanup = Some(cleanup_proto(None, false, None));
-                } else {
-                    let Ok(r) = codec::decode_any::<JobResult>(
-                        kv.key(),
-                        kv.value(),
-                        crate::jobs::records::RESULT_VERSIONS_READ,
-                    ) else {
-                        continue;
-                    };
-                    from_result(&mut job, &r);
-                    let clean = *prefix == self.keys.clean();
-                    job.cleanup = Some(cleanup_proto(Some(&r), clean, None));
-                }
-                let keep = match state {
-                    S::Unspecified => true,
-                    s => job.state == s as i32,
-                } && match cleanup {
-                    C::Unspecified => true,
-                    c => job.cleanup.as_ref().is_some_and(|x| x.state == c as i32),
-                };
-                if keep {
-                    found.entry(job.job_id.clone()).or_insert(job);
-                }
-            }
-        }
-        let mut jobs: Vec<proto::Job> = found
-            .into_values()
-            .filter(|j| bound.as_deref().is_none_or(|b| j.job_id.as_str() <= b))
-            .collect();
-        jobs.truncate(size);
-        let next_page_token = match (&bound, jobs.len() == size, jobs.last()) {
-            (_, true, Some(last)) => format!("{rev}/{}", last.job_id),
-            (Some(b), _, _) => format!("{rev}/{b}"),
-            _ => String::new(),
-        };
-        Ok(Response::new(proto::ListJobsResponse {
-            jobs,
-            next_page_token,
-        }))
+        let page = super::job_list::list(&self.store, &self.keys, req.into_inner()).await?;
+        Ok(Response::new(page))
     }
 
     async fn cancel_job(
@@ -595,17 +496,6 @@ impl JobService for JobApi {
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
     }
-}
-
-fn parse_token(t: &str) -> Result<(i64, String), Status> {
-    if t.is_empty() {
-        return Ok((0, String::new()));
-    }
-    let bad = || Status::invalid_argument("page_token: not a token this API returned");
-    let (rev, id) = t.split_once('/').ok_or_else(bad)?;
-    let rev: i64 = rev.parse().map_err(|_| bad())?;
-    spec::validate_id(id).map_err(|_| bad())?;
-    Ok((rev, id.to_string()))
 }
 
 /// Sends the job each time it changes, until its cleanup is done. Each update is the first

@@ -4,6 +4,7 @@
 mod cluster;
 mod fleet;
 mod health;
+mod job_list;
 mod jobs;
 mod logs;
 mod metrics;

@@ -365,12 +365,16 @@ pub async fn list(args: &ListArgs) -> anyhow::Result<()> {
             cleanup: cleanup.unwrap_or(CleanupState::Unspecified) as i32,
             page_size: 500,
             page_token: token.clone(),
+            id_prefix: args.prefix.clone().unwrap_or_default(),
         };
         let page = call_any(&args.client, |ch| {
             let req = req.clone();
             async move { Ok(JobServiceClient::new(ch).list_jobs(req).await?.into_inner()) }
         })
         .await?;
+        if !page.notice.is_empty() {
+            eprintln!("note: {}", page.notice);
+        }
         for j in &page.jobs {
             if shown >= args.limit {
                 return Ok(());

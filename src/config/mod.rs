@@ -324,6 +324,9 @@ pub struct ListArgs {
     /// pending, needs-operator or done.
     #[arg(long)]
     pub cleanup: Option<String>,
+    /// Only jobs whose id starts with this.
+    #[arg(long)]
+    pub prefix: Option<String>,
     /// At most this many jobs (all pages are read up to it).
     #[arg(long, default_value_t = 1000)]
     pub limit: usize,
