@@ -167,6 +167,7 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         replica_id.clone(),
         role_rx,
         cmd_tx,
+        security.peer.clone(),
     );
     let services = Services {
         store: store.clone(),

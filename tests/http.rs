@@ -86,6 +86,42 @@ async fn answers(client: &reqwest::Client, url: &str, token: Option<&str>) -> bo
     r.send().await.is_ok_and(|a| a.status() == StatusCode::OK)
 }
 
+/// The leader (id, term) every replica's HTTP API names, once they agree on one whose term
+/// satisfies `term_ok` (with a read token).
+async fn agreed_leader(
+    http: &reqwest::Client,
+    c: &Cluster,
+    term_ok: impl Fn(i64) -> bool,
+) -> (String, i64) {
+    wait_for(
+        "the replicas' HTTP APIs to agree on a leader",
+        Duration::from_secs(30),
+        || async {
+            let mut seen = None;
+            for addr in &c.replica_http {
+                let r = http
+                    .get(format!("http://{addr}/api/v1/leader"))
+                    .bearer_auth(READ)
+                    .send()
+                    .await
+                    .ok()?;
+                let v: Value = r.json().await.ok()?;
+                let l = &v["leader"];
+                let this = (
+                    l["replica_id"].as_str()?.to_string(),
+                    l["term"].as_str()?.parse::<i64>().ok()?,
+                );
+                if seen.as_ref().is_some_and(|s| s != &this) {
+                    return None;
+                }
+                seen = Some(this);
+            }
+            seen.filter(|s| term_ok(s.1))
+        },
+    )
+    .await
+}
+
 /// Every `(method, route)` the OpenAPI document lists, with the role it says it needs.
 fn documented() -> Vec<(Method, String, String)> {
     let doc: Value = serde_json::from_str(OPENAPI).unwrap();
@@ -814,4 +850,66 @@ async fn paging_over_ten_thousand_jobs_is_complete_bounded_and_survives_compacti
         "it goes on from the same id"
     );
     assert!(v["revision"].as_str().unwrap().parse::<i64>().unwrap() >= now);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_forwards_a_resignation_to_the_leader_with_its_peer_token() {
+    let secrets = tempfile::tempdir().unwrap();
+    let file = tokens(secrets.path());
+    let c = Cluster::start(Options {
+        replicas: 2,
+        http: true,
+        extra_args: vec![
+            "--auth-tokens-file".into(),
+            file.display().to_string(),
+            "--peer-token-file".into(),
+            secrets.path().join("peer.token").display().to_string(),
+        ],
+        ..Options::default()
+    });
+    let http = client();
+    let (old_id, old_term) = agreed_leader(&http, &c, |_| true).await;
+    let fi = 1 - c.index_of(&old_id);
+    let follower = format!("http://{}", c.replica_http[fi]);
+    let body = json!({"term": old_term}).to_string();
+    let url = format!("{follower}/api/v1/leader/resign");
+    let a = send(
+        &http,
+        Method::POST,
+        &url,
+        Some(SUBMIT),
+        &[],
+        Some(body.clone()),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::FORBIDDEN, "{}", a.body);
+    let a = send(&http, Method::POST, &url, Some(ADMIN), &[], Some(body)).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.json()["replica_id"], old_id.as_str());
+    assert_eq!(a.json()["resigned_term"], old_term.to_string());
+    let (_, new_term) = agreed_leader(&http, &c, |t| t > old_term).await;
+    // The history shows the resigned term, and the one after it (once it is confirmed).
+    let history = format!("{follower}/api/v1/leader/history");
+    let terms = wait_for(
+        "the new term in the history",
+        Duration::from_secs(30),
+        || async {
+            let h = send(&http, Method::GET, &history, Some(READ), &[], None).await;
+            let terms = h.json()["terms"].as_array()?.clone();
+            terms
+                .iter()
+                .any(|x| x["term"] == new_term.to_string())
+                .then_some(terms)
+        },
+    )
+    .await;
+    let find = |t: i64| terms.iter().find(|x| x["term"] == t.to_string()).cloned();
+    let ended = find(old_term).expect("the old term in the history");
+    assert_eq!(ended["ended_reason"], "resign requested", "{ended}");
+    assert_eq!(find(new_term).unwrap()["followed"], old_term.to_string());
+    let log = std::fs::read_to_string(c.replicas[fi].log_path()).unwrap();
+    assert!(
+        log.contains("resign-forward") && log.contains("\"caller\":\"ops\""),
+        "no audit line of the forward"
+    );
 }

@@ -6,8 +6,14 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tonic::{Request, Response, Status};
 
 use crate::election::{self, Command, LeaderInfo, Role};
+use crate::proto::cluster_service_client::ClusterServiceClient;
 use crate::proto::{self, cluster_service_server::ClusterService};
+use crate::security::ClientSecurity;
 use crate::store::{Keys, Store};
+
+/// Marks a call one replica forwarded to the leader: the leader answers it itself or refuses,
+/// never forwards it again.
+const FORWARDED: &str = "x-baton-forwarded-by";
 
 #[derive(Clone)]
 pub struct ClusterApi {
@@ -16,6 +22,8 @@ pub struct ClusterApi {
     replica_id: String,
     role: watch::Receiver<Role>,
     commands: mpsc::Sender<Command>,
+    /// How this replica calls the leader to forward what only the leader can do.
+    peer: ClientSecurity,
 }
 
 impl ClusterApi {
@@ -25,6 +33,7 @@ impl ClusterApi {
         replica_id: String,
         role: watch::Receiver<Role>,
         commands: mpsc::Sender<Command>,
+        peer: ClientSecurity,
     ) -> Self {
         Self {
             store,
@@ -32,7 +41,42 @@ impl ClusterApi {
             replica_id,
             role,
             commands,
+            peer,
         }
+    }
+
+    /// Asks the current leader to resign `term`, with this replica's peer credentials (the
+    /// caller was authenticated here). One hop: the leader does not forward again.
+    async fn forward_resign(
+        &self,
+        term: i64,
+        caller: &str,
+    ) -> Result<proto::ResignLeadershipResponse, Status> {
+        let leader = election::current_leader(&self.store, &self.keys).await?;
+        let ch = self
+            .peer
+            .connect(
+                &leader.advertise,
+                Duration::from_secs(2),
+                Duration::from_secs(35),
+            )
+            .await
+            .map_err(Status::unavailable)?;
+        let mut req = Request::new(proto::ResignLeadershipRequest { term });
+        if let Ok(v) = format!("{}:{caller}", self.replica_id).parse() {
+            req.metadata_mut().insert(FORWARDED, v);
+        }
+        tracing::info!(target: "baton::audit", action = "resign-forward", caller = %caller, replica = %self.replica_id, leader = %leader.replica_id, "resignation forwarded to the leader");
+        let resp = ClusterServiceClient::new(ch)
+            .resign_leadership(req)
+            .await
+            .map_err(|s| {
+                Status::new(
+                    s.code(),
+                    format!("the leader {} answered: {}", leader.replica_id, s.message()),
+                )
+            })?;
+        Ok(resp.into_inner())
     }
 }
 
@@ -99,9 +143,21 @@ impl ClusterService for ClusterApi {
         &self,
         req: Request<proto::ResignLeadershipRequest>,
     ) -> Result<Response<proto::ResignLeadershipResponse>, Status> {
-        let caller = crate::security::caller_name(&req);
+        let mut caller = crate::security::caller_name(&req);
+        let forwarded = req
+            .metadata()
+            .get(FORWARDED)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        if let Some(by) = &forwarded {
+            caller = format!("{caller} (forwarded by {by})");
+        }
         tracing::info!(target: "baton::audit", action = "resign", caller = %caller, replica = %self.replica_id, "resignation requested");
         if self.role.borrow().term().is_none() {
+            if forwarded.is_none() {
+                let term = req.into_inner().term;
+                return self.forward_resign(term, &caller).await.map(Response::new);
+            }
             let hint = match election::current_leader(&self.store, &self.keys).await {
                 Ok(l) => format!("; the leader is {} at {}", l.replica_id, l.advertise),
                 Err(_) => String::new(),
