@@ -122,6 +122,11 @@ async fn agreed_leader(
     .await
 }
 
+/// A term as the JSON mapping writes it (64-bit integers as strings).
+fn term_of(v: &Value) -> Option<i64> {
+    v["term"].as_str()?.parse().ok()
+}
+
 /// Every `(method, route)` the OpenAPI document lists, with the role it says it needs.
 fn documented() -> Vec<(Method, String, String)> {
     let doc: Value = serde_json::from_str(OPENAPI).unwrap();
@@ -898,12 +903,12 @@ async fn a_follower_forwards_a_resignation_to_the_leader_with_its_peer_token() {
             let terms = h.json()["terms"].as_array()?.clone();
             terms
                 .iter()
-                .any(|x| x["term"] == new_term.to_string())
+                .any(|x| term_of(x) == Some(new_term))
                 .then_some(terms)
         },
     )
     .await;
-    let find = |t: i64| terms.iter().find(|x| x["term"] == t.to_string()).cloned();
+    let find = |t: i64| terms.iter().find(|x| term_of(x) == Some(t)).cloned();
     let ended = find(old_term).expect("the old term in the history");
     assert_eq!(ended["ended_reason"], "resign requested", "{ended}");
     assert_eq!(find(new_term).unwrap()["followed"], old_term.to_string());
