@@ -185,6 +185,7 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
     let http_server = http_listener.map(|l| {
         let s = crate::http::HttpServices::new(
             &services,
+            keys.clone(),
             replica_id.clone(),
             args.advertise(),
             args.http.clone(),

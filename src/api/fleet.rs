@@ -33,7 +33,7 @@ impl FleetApi {
     }
 }
 
-fn worker_proto(w: &LiveWorker, now_ms: u64) -> proto::WorkerInfo {
+pub fn worker_proto(w: &LiveWorker, now_ms: u64) -> proto::WorkerInfo {
     let r = &w.record;
     proto::WorkerInfo {
         worker_id: r.worker_id.clone(),

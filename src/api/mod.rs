@@ -11,8 +11,8 @@ mod metrics;
 mod schedules;
 mod status;
 
-pub use cluster::ClusterApi;
-pub use fleet::FleetApi;
+pub use cluster::{leader_to_proto, ClusterApi};
+pub use fleet::{worker_proto, FleetApi};
 pub use health::{Ready, LIVENESS};
 pub use jobs::{job_view, JobApi, MAX_REQUEST_BYTES};
 pub use metrics::serve_metrics;

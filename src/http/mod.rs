@@ -10,8 +10,10 @@ mod auth;
 mod call;
 mod console;
 mod error;
+mod events;
 mod guard;
 mod listener;
+mod live;
 mod openapi;
 mod routes;
 
@@ -44,6 +46,7 @@ impl HttpServices {
     /// The HTTP face of `services`: the same service values, so both transports share them.
     pub fn new(
         services: &crate::api::Services,
+        keys: crate::store::Keys,
         replica_id: String,
         advertise: String,
         args: HttpArgs,
@@ -58,6 +61,8 @@ impl HttpServices {
             replica_id,
             authentication: security.policy.enabled(),
             streams: Arc::new(Semaphore::new(args.http_max_streams)),
+            hub: live::Hub::start(services.store.clone(), keys, stop.clone()),
+            policy: Arc::new(security.policy.clone()),
             stop,
         };
         HttpServices {
@@ -76,7 +81,7 @@ pub fn app(s: &HttpServices) -> Router {
         &s.args.http_allowed_hosts,
         s.security.tls.is_some(),
     );
-    let policy = Arc::new(s.security.policy.clone());
+    let policy = s.apis.policy.clone();
     routes::api(s.apis.clone())
         .merge(openapi::routes())
         .merge(console::routes())

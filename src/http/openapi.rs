@@ -207,6 +207,23 @@ pub mod generate {
             .collect()
     }
 
+    /// The operations only HTTP serves.
+    fn http_only(route: &str) -> (&'static str, &'static str, Value) {
+        match route {
+            "/api/v1/whoami" => (
+                "WhoAmI",
+                "The caller as this replica sees it: name and role (what the console offers), whether authentication is on, and the replica.",
+                json!({"description": "OK", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WhoAmI"}}}}),
+            ),
+            "/api/v1/events" => (
+                "Events",
+                "What a console page needs to stay current, as server-sent events read with fetch() (the token in the Authorization header): `snapshot` first, then `update` when something changed (at most 4 a second), each with the job counts, the leader and workers when they changed, and which jobs (ids, or \"all\") and other things changed; `error` ends the stream (its token was revoked). At most --http-max-streams streams at once, then 503.",
+                json!({"description": "Server-sent events; each `data:` a JSON object.", "content": {"text/event-stream": {"schema": {"type": "string"}}}}),
+            ),
+            other => panic!("{other}: no description of this HTTP-only operation"),
+        }
+    }
+
     pub fn document() -> Value {
         let p = protos();
         let mut schemas = BTreeMap::new();
@@ -264,11 +281,9 @@ pub mod generate {
                     )
                 }
                 None => {
-                    o.insert("operationId".into(), json!("WhoAmI"));
-                    (
-                        "The caller as this replica sees it: name and role (what the console offers), whether authentication is on, and the replica.".to_string(),
-                        json!({"description": "OK", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WhoAmI"}}}}),
-                    )
+                    let (id, summary, answer) = http_only(route);
+                    o.insert("operationId".into(), json!(id));
+                    (summary.to_string(), answer)
                 }
             };
             o.insert("summary".into(), json!(summary));

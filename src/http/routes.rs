@@ -39,6 +39,10 @@ pub struct Apis {
     pub streams: Arc<Semaphore>,
     /// Fires when the listener stops: every stream ends.
     pub stop: CancellationToken,
+    /// What the console's live streams read.
+    pub hub: super::live::Hub,
+    /// To check, while a stream lasts, that its token still holds.
+    pub policy: Arc<crate::security::Policy>,
 }
 
 /// A route that calls `$svc`'s `$method` of trait `$trait`.
@@ -130,6 +134,7 @@ pub fn api(apis: Apis) -> Router {
             post(unary!(fleet, FleetService, undrain_worker)),
         )
         .route("/api/v1/whoami", get(whoami))
+        .route("/api/v1/events", get(super::events::events))
         .with_state(apis)
 }
 
@@ -177,7 +182,7 @@ fn text(body: Body) -> Response {
 }
 
 /// A permit for one more stream, or 503.
-fn stream_permit(s: &Apis) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+pub(super) fn stream_permit(s: &Apis) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
     s.streams.clone().try_acquire_owned().map_err(|_| {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -10,7 +10,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
 
 /// How often the files are looked at.
-const POLL: Duration = Duration::from_secs(1);
+const POLL: Duration = Duration::from_millis(250);
 
 type Fingerprint = Vec<Option<(u64, u64, SystemTime)>>;
 

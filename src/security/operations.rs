@@ -147,6 +147,7 @@ pub const OPERATIONS: &[Operation] = &[
         ADMIN,
     ),
     op(None, Some(("GET", "/api/v1/whoami")), READ),
+    op(None, Some(("GET", "/api/v1/events")), READ),
     // Workers.
     op(
         Some("/baton.v1.FleetService/ListWorkers"),
