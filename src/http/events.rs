@@ -63,6 +63,7 @@ fn message(s: &Snapshot, sent: Option<&Sent>) -> Value {
     });
     if sent.is_none() || s.topics.leader > old.leader {
         m["leader"] = serde_json::to_value(&s.leader).unwrap_or(Value::Null);
+        m["replicas"] = serde_json::to_value(&s.replicas).unwrap_or(Value::Null);
     }
     if sent.is_none() || s.topics.workers > old.workers {
         m["workers"] = serde_json::to_value(&s.workers).unwrap_or(Value::Null);

@@ -39,6 +39,14 @@ pub struct Counts {
     pub done: u64,
 }
 
+/// A replica as its election key shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Replica {
+    pub replica_id: String,
+    pub advertise: String,
+    pub leader: bool,
+}
+
 /// The sequence number at which each kind of thing last changed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Topics {
@@ -61,6 +69,9 @@ pub struct Snapshot {
     pub counts: Counts,
     pub topics: Topics,
     pub leader: Option<proto::LeaderInfo>,
+    /// The replicas in the election (each holds a live lease, so it reaches etcd), the leader
+    /// first.
+    pub replicas: Vec<Replica>,
     pub workers: Vec<proto::WorkerInfo>,
     /// `(seq, job id)` of the newest job changes, oldest first.
     pub recent: Arc<VecDeque<(u64, String)>>,
@@ -407,6 +418,25 @@ async fn refresh(store: &Store, keys: &Keys, st: &mut State) {
             .await
             .ok()
             .map(|l| crate::api::leader_to_proto(&l));
+        let mut c = store.client();
+        let opts = GetOptions::new()
+            .with_prefix()
+            .with_sort(etcd_client::SortTarget::Create, etcd_client::SortOrder::Ascend);
+        if let Ok(resp) = c.get(keys.election(), Some(opts)).await {
+            st.snap.replicas = resp
+                .kvs()
+                .iter()
+                .filter_map(|kv| {
+                    let r: crate::election::CandidateRecord =
+                        serde_json::from_slice(kv.value()).ok()?;
+                    Some(Replica {
+                        leader: st.snap.leader.as_ref().is_some_and(|l| l.term == kv.create_revision()),
+                        replica_id: r.replica_id,
+                        advertise: r.advertise,
+                    })
+                })
+                .collect();
+        }
         st.leader_changed = false;
     }
     if st.workers_changed {
