@@ -68,6 +68,11 @@ function cleanupName(s) {
   return String(s || "").replace(/^CLEANUP_(STATE_)?/, "").toLowerCase().replace(/_/g, " ");
 }
 
+/// A map's entries in key order (a protobuf map has none of its own).
+function sorted(map) {
+  return Object.entries(map || {}).sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0));
+}
+
 function table(headers, rows, empty) {
   if (rows.length === 0) return h("p", { class: "empty" }, empty || "None.");
   return h("table", {}, h("thead", {}, h("tr", {}, headers.map((x) => h("th", {}, x)))), h("tbody", {}, rows));
@@ -307,7 +312,7 @@ function workersTable() {
       h("td", {}, `${w.running}/${w.capacity}`),
       h("td", {}, `${w.cleanups}/${w.cleanup_capacity}`),
       h("td", { class: "draining" }, w.drain_requested ? "drain requested" : w.draining ? "draining" : ""),
-      h("td", {}, Object.entries(w.labels || {}).map(([k, v]) => `${k}=${v}`).join(", ")),
+      h("td", {}, sorted(w.labels).map(([k, v]) => `${k}=${v}`).join(", ")),
       h(
         "td",
         {},
@@ -576,7 +581,7 @@ function jobView(id) {
         terminal ? null : action("Cancel", "submit", `Cancel job ${j.job_id}?`, () => api("POST", `/api/v1/jobs/${encodeURIComponent(j.job_id)}/cancel`)),
         h("h3", {}, "Spec"),
         h("pre", { id: "job-command" }, (s.command || []).join(" ")),
-        table(["variable", "value"], Object.entries(s.env || {}).map(([k, val]) => h("tr", {}, h("td", {}, k), h("td", { class: "env-value" }, val))), "No environment."),
+        table(["variable", "value"], sorted(s.env).map(([k, val]) => h("tr", {}, h("td", {}, k), h("td", { class: "env-value" }, val))), "No environment."),
         h("h3", {}, "Attempts"),
         table(["attempt", "worker", "state", "exit", "reason", "at"], (j.history || []).map((a) => h("tr", {}, h("td", {}, a.attempt), h("td", {}, a.worker), h("td", {}, a.state), h("td", {}, a.has_exit_code ? a.exit_code : ""), h("td", {}, a.reason), h("td", {}, time(a.at_unix_ms)))), "No attempts yet."),
         h("h3", {}, "Cleanup"),
@@ -646,6 +651,10 @@ function route() {
 }
 
 async function start() {
+  if (document.documentElement.dataset.auth === "token" && !token) {
+    signIn();
+    return;
+  }
   try {
     const headers = token ? { Authorization: "Bearer " + token } : {};
     const r = await fetch("/api/v1/whoami", { headers, cache: "no-store" });

@@ -20,17 +20,44 @@ const ASSETS: &[(&str, &str, &str)] = &[
         include_str!("../../console/app.js"),
     ),
     (
+        "favicon.svg",
+        "image/svg+xml",
+        include_str!("../../console/favicon.svg"),
+    ),
+    (
         "style.css",
         "text/css; charset=utf-8",
         include_str!("../../console/style.css"),
     ),
 ];
 
-pub fn routes() -> Router {
+/// The page says whether it needs a token, so it asks for one before calling anything (no
+/// 401 in the browser's console).
+pub fn routes(authentication: bool) -> Router {
+    let index = if authentication {
+        INDEX.replacen(
+            "<html lang=\"en\">",
+            "<html lang=\"en\" data-auth=\"token\">",
+            1,
+        )
+    } else {
+        INDEX.to_string()
+    };
     Router::new()
         .route(
             "/",
-            get(|| async { page("text/html; charset=utf-8", INDEX) }),
+            get(move || {
+                let index = index.clone();
+                async move {
+                    (
+                        [(
+                            header::CONTENT_TYPE,
+                            HeaderValue::from_static("text/html; charset=utf-8"),
+                        )],
+                        index,
+                    )
+                }
+            }),
         )
         .route("/assets/{file}", get(asset))
 }

@@ -379,10 +379,12 @@ fn apply(keys: &Keys, st: &mut State, ty: EventType, kv: &etcd_client::KeyValue)
     };
     let put = ty == EventType::Put;
     if let Some(id) = Keys::id_in(&keys.registry(), key) {
-        st.set_active(id, active(key, kv.value()).filter(|_| put));
+        let now = if put { active(key, kv.value()) } else { None };
+        st.set_active(id, now);
         job(st, id);
     } else if let Some(id) = Keys::id_in(&keys.dirty(), key) {
-        st.set_dirty(id, dirty(key, kv.value()).filter(|_| put));
+        let now = if put { dirty(key, kv.value()) } else { None };
+        st.set_dirty(id, now);
         job(st, id);
     } else if let Some(id) = Keys::id_in(&keys.clean(), key) {
         // A clean result is written once (version 1) and deleted once.
@@ -419,9 +421,10 @@ async fn refresh(store: &Store, keys: &Keys, st: &mut State) {
             .ok()
             .map(|l| crate::api::leader_to_proto(&l));
         let mut c = store.client();
-        let opts = GetOptions::new()
-            .with_prefix()
-            .with_sort(etcd_client::SortTarget::Create, etcd_client::SortOrder::Ascend);
+        let opts = GetOptions::new().with_prefix().with_sort(
+            etcd_client::SortTarget::Create,
+            etcd_client::SortOrder::Ascend,
+        );
         if let Ok(resp) = c.get(keys.election(), Some(opts)).await {
             st.snap.replicas = resp
                 .kvs()
@@ -430,7 +433,11 @@ async fn refresh(store: &Store, keys: &Keys, st: &mut State) {
                     let r: crate::election::CandidateRecord =
                         serde_json::from_slice(kv.value()).ok()?;
                     Some(Replica {
-                        leader: st.snap.leader.as_ref().is_some_and(|l| l.term == kv.create_revision()),
+                        leader: st
+                            .snap
+                            .leader
+                            .as_ref()
+                            .is_some_and(|l| l.term == kv.create_revision()),
                         replica_id: r.replica_id,
                         advertise: r.advertise,
                     })

@@ -84,7 +84,7 @@ pub fn app(s: &HttpServices) -> Router {
     let policy = s.apis.policy.clone();
     routes::api(s.apis.clone())
         .merge(openapi::routes())
-        .merge(console::routes())
+        .merge(console::routes(s.apis.authentication))
         .route_layer(axum::middleware::from_fn_with_state(
             policy,
             auth::authorize,

@@ -12,6 +12,7 @@ use baton::proto::cluster_service_client::ClusterServiceClient;
 use baton::proto::{GetLeaderRequest, GetLeaderResponse, LeaderInfo};
 use baton::rolelog::{self, RoleEvent, TermInterval};
 
+pub mod browser;
 pub mod pki;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_baton");
