@@ -13,7 +13,7 @@ SOAK_SEED ?= $(shell date +%s)
 PYTHON ?= python3
 VENV := target/test-venv
 
-.PHONY: deps build run test lint soak pydeps modelcheck
+.PHONY: deps build run test lint soak pydeps modelcheck screenshots
 
 deps:
 	@./scripts/install-deps
@@ -23,6 +23,11 @@ build: deps
 
 run: build
 	./target/debug/baton dev
+
+# `make screenshots`: the README's pictures (docs/screenshots/*.png), taken in a real headless
+# Chromium from a real cluster by the console test that always takes them.
+screenshots: deps
+	BATON_SCREENSHOTS=$(abspath docs/screenshots) $(CARGO) test --test console screenshots
 
 lint: deps
 	$(CARGO) fmt --all -- --check

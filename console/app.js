@@ -579,6 +579,8 @@ function jobView(id) {
           h("dd", {}, j.waiting_reason)
         ),
         terminal ? null : action("Cancel", "submit", `Cancel job ${j.job_id}?`, () => api("POST", `/api/v1/jobs/${encodeURIComponent(j.job_id)}/cancel`)),
+        h("h3", {}, "Log"),
+        h("pre", { id: "log", class: "log" }),
         h("h3", {}, "Spec"),
         h("pre", { id: "job-command" }, (s.command || []).join(" ")),
         table(["variable", "value"], sorted(s.env).map(([k, val]) => h("tr", {}, h("td", {}, k), h("td", { class: "env-value" }, val))), "No environment."),
@@ -588,9 +590,8 @@ function jobView(id) {
         h("p", {}, h("span", { id: "cleanup-state" }, cleanupName(c.state)), c.next_retry_unix_ms && c.next_retry_unix_ms !== "0" ? ` — next retry ${time(c.next_retry_unix_ms)}` : ""),
         c.last_error ? h("pre", { id: "cleanup-error", class: "error" }, c.last_error) : null,
         table(["step", "state", "attempts", "next retry", "last error", "worker"], (c.steps || []).map((st) => h("tr", {}, h("td", {}, st.name), h("td", {}, st.state), h("td", {}, st.attempts), h("td", {}, time(st.next_retry_unix_ms)), h("td", {}, st.last_error), h("td", {}, st.worker))), "No cleanup steps."),
-        cleanupActions(j),
-        h("h3", {}, "Log"),
-        h("pre", { id: "log", class: "log" })
+        cleanupActions(j)
+
       );
       this.log(j);
     },

@@ -544,3 +544,98 @@ async fn pages_from_another_port_or_a_rebound_name_cannot_submit_cancel_drain_or
     assert_eq!(job(&base, None, "foreign").await["code"], "NOT_FOUND");
     assert_eq!(job(&base, None, "form").await["code"], "NOT_FOUND");
 }
+
+/// The README's pictures, from a real cluster: written to `$BATON_SCREENSHOTS` (`make
+/// screenshots` points it at `docs/screenshots`), else to a scratch folder. Each must be a PNG
+/// of the page as a person sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn screenshots_of_each_page_show_a_live_cluster() {
+    let c = Cluster::start(Options {
+        replicas: 3,
+        http: true,
+        workers: 1,
+        worker_args: vec!["--labels".into(), "pool=batch".into()],
+        extra_args: vec!["--cleanup-strategy".into(), "none".into()],
+        ..Options::default()
+    });
+    let base = format!("http://{}", c.replica_http[0]);
+    leader(&base, None).await;
+    let dir = scratch(&c);
+    for (id, script) in [
+        ("nightly-report-20261206", "echo report done"),
+        (
+            "backup-db-eu",
+            "echo dumping; sleep 1; echo 4.2 GiB written",
+        ),
+        ("resize-images-0042", "exit 3"),
+    ] {
+        submit(&base, None, id, json!({"command": ["sh", "-c", script]})).await;
+    }
+    submit(
+        &base,
+        None,
+        "train-model-7",
+        json!({"command": ["sh", "-c", format!("for i in 1 2 3 4 5 6; do echo epoch $i: loss 0.$((9 - i)); sleep 0.2; done; while [ ! -e {}/stop ]; do sleep 0.1; done", dir.display())], "worker_selector": {"pool": "batch"}}),
+    )
+    .await;
+    submit(
+        &base,
+        None,
+        "etl-orders",
+        json!({"command": ["true"], "cleanup_command": ["sh", "-c", "echo 'bucket s3://staging/orders: access denied' >&2; exit 1"]}),
+    )
+    .await;
+    let (status, v) = call(
+        &base,
+        reqwest::Method::POST,
+        "/api/v1/schedules",
+        None,
+        Some(json!({"name": "hourly-sync", "definition": {"cron": "0 * * * *", "tz": "Europe/Berlin", "spec": {"command": ["echo", "sync"]}}})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    wait_for("the jobs to settle", Duration::from_secs(60), || async {
+        let ops = job(&base, None, "etl-orders").await;
+        let run = job(&base, None, "train-model-7").await;
+        (ops["cleanup"]["state"] == "CLEANUP_NEEDS_OPERATOR" && run["state"] == "RUNNING")
+            .then_some(())
+    })
+    .await;
+    let out = match std::env::var_os("BATON_SCREENSHOTS") {
+        Some(d) => std::path::PathBuf::from(d),
+        None => dir.join("screenshots"),
+    };
+    std::fs::create_dir_all(&out).unwrap();
+    let b = Browser::start(&[]).await;
+    let shots = [
+        ("overview", "#/", "#overview-leader"),
+        ("jobs", "#/jobs", "[data-job='train-model-7'] .state"),
+        ("job", "#/jobs/train-model-7", "#log"),
+        (
+            "cleanups",
+            "#/cleanups",
+            "#needs-operator [data-job='etl-orders']",
+        ),
+        ("schedules", "#/schedules", "[data-schedule='hourly-sync']"),
+        ("failovers", "#/history", "[data-term] td"),
+    ];
+    for (name, page, shown) in shots {
+        b.goto(&format!("{base}/{page}")).await;
+        b.wait_text(name, shown, |t| !t.is_empty()).await;
+        if name == "job" {
+            b.wait_text("the log", "#log", |t| t.contains("epoch 6"))
+                .await;
+        }
+        b.wait_text("the live status", "#status", |t| t == "live")
+            .await;
+        let path = out.join(format!("{name}.png"));
+        b.screenshot(&path).await;
+        let png = std::fs::read(&path).unwrap();
+        assert!(
+            png.starts_with(b"\x89PNG") && png.len() > 10_000,
+            "{name}: not a picture"
+        );
+    }
+    std::fs::write(dir.join("stop"), "").unwrap();
+    b.assert_clean_log(|_| false).await;
+}
