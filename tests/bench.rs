@@ -47,6 +47,8 @@ fn every_scenario_runs_at_tiny_sizes_and_reports_real_figures() {
             "50",
             "--schedule-ticks",
             "3",
+            "--console-jobs",
+            "300",
             "--dir",
             work.to_str().unwrap(),
             "--plot",
@@ -95,6 +97,21 @@ fn every_scenario_runs_at_tiny_sizes_and_reports_real_figures() {
     assert_eq!(num(&report, &["schedules", "burst_created"]), 50.0);
     assert!(num(&report, &["schedules", "leader_rss_mb"]) > 1.0);
     assert!(num(&report, &["schedules", "etcd_db_mb"]) > 0.0);
+    // console: every view answered a page; the consoles got events; etcd counted watchers.
+    assert_eq!(num(&report, &["console", "jobs"]), 300.0);
+    let views = report["console"]["views"]
+        .as_array()
+        .expect("console views");
+    assert!(views.len() >= 8);
+    assert_eq!(
+        num(&report, &["console", "views", "0", "jobs_on_page"]),
+        100.0
+    );
+    assert!(num(&report, &["console", "views", "0", "max_ms"]) > 0.0);
+    assert_eq!(num(&report, &["console", "busy", "consoles"]), 50.0);
+    assert!(num(&report, &["console", "busy", "events"]) >= 50.0);
+    assert!(num(&report, &["console", "idle", "etcd_watchers"]) > 0.0);
+    assert!(num(&report, &["console", "with", "clean_per_sec"]) > 0.0);
     assert!(!report["targets"].as_array().unwrap().is_empty());
     for name in ["submit-throughput.svg", "submit-latency-cdf.svg"] {
         let svg = std::fs::read_to_string(plots.join(name)).unwrap();

@@ -22,6 +22,8 @@ pub const CLUSTER: &str = "bench";
 pub struct BenchCluster {
     pub etcd: EtcdCluster,
     pub replicas: Vec<ReplicaProcess>,
+    /// Each replica's HTTP API, with [`Shape::http`].
+    pub http: Vec<std::net::SocketAddr>,
     pub workers: Vec<ReplicaProcess>,
     dir: PathBuf,
     ttl: Duration,
@@ -35,6 +37,8 @@ pub struct Shape {
     pub workers: usize,
     pub replica_args: Vec<String>,
     pub worker_args: Vec<String>,
+    /// Give each replica `--http-listen` on a free port.
+    pub http: bool,
 }
 
 impl Shape {
@@ -58,6 +62,7 @@ impl BenchCluster {
         Ok(BenchCluster {
             etcd,
             replicas: Vec::new(),
+            http: Vec::new(),
             workers: Vec::new(),
             dir: dir.to_path_buf(),
             ttl: args.lease_ttl,
@@ -83,6 +88,11 @@ impl BenchCluster {
                 extra.extend(["--worker".into(), "false".into()]);
             }
             extra.extend(shape.replica_args.iter().cloned());
+            if shape.http {
+                let addr: std::net::SocketAddr = ([127, 0, 0, 1], free_port()).into();
+                extra.extend(["--http-listen".into(), addr.to_string()]);
+                self.http.push(addr);
+            }
             let id = format!("r{}", self.replicas.len() + i + 1);
             let p =
                 ReplicaProcess::spawn(self.spec(id, extra, false)).context("starting a replica")?;

@@ -38,6 +38,28 @@ pub struct EndToEnd {
 const CLIENTS: usize = 64;
 
 pub async fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<EndToEnd> {
+    Ok(measure(args, dir, None).await?.0)
+}
+
+/// What console streams on a follower cost during an end-to-end run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Consoles {
+    pub consoles: usize,
+    /// The follower's CPU from the first submission to the last clean result, of one core.
+    pub follower_cpu_percent: f64,
+    /// etcd's watchers (every member) with the consoles open.
+    pub etcd_watchers: f64,
+    /// Events the consoles received, together.
+    pub events: u64,
+}
+
+/// The end-to-end run; with `consoles`, every replica serves HTTP and that many console
+/// streams (`/api/v1/events`) stay open on the follower the jobs are submitted to.
+pub async fn measure(
+    args: &BenchArgs,
+    dir: &Path,
+    consoles: Option<usize>,
+) -> anyhow::Result<(EndToEnd, Option<Consoles>)> {
     let replica_args: Vec<String> = [
         "--max-starts-per-second",
         "10000",
@@ -58,6 +80,7 @@ pub async fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<EndToEnd> {
             workers: args.workers,
             replica_args,
             worker_args: vec!["--max-running".into(), "128".into()],
+            http: consoles.is_some(),
         },
     )?;
     let (leader, _) = c.wait_leader(0, Duration::from_secs(60)).await?;
@@ -66,7 +89,14 @@ pub async fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<EndToEnd> {
     wait_workers(&store, &keys, args.workers).await?;
     let follower = (leader + 1) % c.replicas.len();
     let client = c.jobs_client(follower).await?;
+    let streams = match consoles {
+        Some(n) => Some(super::console::open_streams(c.http[follower], n).await?),
+        None => None,
+    };
     etcdstats::quiesce(&c.etcd, Duration::from_secs(30)).await;
+    let watchers = etcdstats::watchers(&c.etcd).await;
+    let follower_pid = c.replicas[follower].pid();
+    let ticks = super::usage::cpu_ticks(follower_pid)?;
 
     let rev = {
         let mut kv = store.client();
@@ -148,11 +178,24 @@ pub async fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<EndToEnd> {
         }
     }
     let _ = submitting.await;
+    let cpu = super::usage::cpu_percent(
+        super::usage::cpu_ticks(follower_pid)?.saturating_sub(ticks),
+        started.elapsed().as_secs_f64(),
+    );
+    let consoles = match (consoles, streams) {
+        (Some(n), Some(s)) => Some(Consoles {
+            consoles: n,
+            follower_cpu_percent: cpu,
+            etcd_watchers: watchers,
+            events: s.close().await,
+        }),
+        _ => None,
+    };
     let clean_at = clean_at.unwrap_or_else(|| started.elapsed());
     let results_at = results_at.unwrap_or(clean_at);
     let spent: Counts = etcdstats::read(&c.etcd).await - before;
     let per = |x: f64| x / n.max(1) as f64;
-    Ok(EndToEnd {
+    let e = EndToEnd {
         jobs: n,
         workers: args.workers,
         results_per_sec: n as f64 / results_at.as_secs_f64(),
@@ -162,7 +205,8 @@ pub async fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<EndToEnd> {
         etcd_txns_per_job: per(spent.txns),
         etcd_writes_per_job: per(spent.writes),
         settings,
-    })
+    };
+    Ok((e, consoles))
 }
 
 /// Waits until `n` workers are registered.

@@ -62,6 +62,26 @@ pub async fn read(etcd: &EtcdCluster) -> Counts {
     .unwrap_or_default()
 }
 
+/// The watchers etcd holds now, over every member (`etcd_debugging_mvcc_watcher_total`).
+pub async fn watchers(etcd: &EtcdCluster) -> f64 {
+    let addrs = etcd.metrics_addrs();
+    tokio::task::spawn_blocking(move || {
+        addrs
+            .iter()
+            .filter_map(|a| http_get(a, "/metrics", Duration::from_secs(2)))
+            .flat_map(|text| {
+                text.lines()
+                    .filter_map(sample)
+                    .filter(|(name, _, _)| *name == "etcd_debugging_mvcc_watcher_total")
+                    .map(|(_, _, v)| v)
+                    .collect::<Vec<_>>()
+            })
+            .sum()
+    })
+    .await
+    .unwrap_or_default()
+}
+
 /// One sample line of the text format: name, the label text, value.
 fn sample(line: &str) -> Option<(&str, &str, f64)> {
     if line.starts_with('#') || line.is_empty() {

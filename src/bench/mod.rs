@@ -5,12 +5,14 @@
 //! - [`recovery`]: a new leader taking in N preloaded jobs, next to a raw paged read;
 //! - [`failover`]: leader SIGKILLs and SIGTERMs;
 //! - [`footprint`]: memory and CPU of idle processes and of a leader holding N jobs;
-//! - [`schedules`]: tick lag, a leader killed at a tick, N schedules due at one instant.
+//! - [`schedules`]: tick lag, a leader killed at a tick, N schedules due at one instant;
+//! - [`console`]: pages of the HTTP API over N jobs, and 50 console streams during `e2e`.
 //!
 //! Baton's limit is what etcd can commit, so figures come as ratios to raw etcd where there
 //! is one. Only loopback addresses are used.
 
 mod cluster;
+mod console;
 mod e2e;
 mod etcdstats;
 mod failover;
@@ -61,6 +63,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 report.footprint = Some(footprint::run(&args, &at, n).await?);
             }
             "schedules" => report.schedules = Some(schedules::run(&args, &at).await?),
+            "console" => report.console = Some(console::run(&args, &at, args.console_jobs).await?),
             _ => unreachable!("checked by scenarios()"),
         }
     }

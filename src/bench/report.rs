@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use super::console::ConsoleBench;
 use super::e2e::EndToEnd;
 use super::failover::Failover;
 use super::footprint::Footprint;
@@ -24,6 +25,7 @@ pub struct Report {
     pub failover: Option<Failover>,
     pub footprint: Option<Footprint>,
     pub schedules: Option<Schedules>,
+    pub console: Option<ConsoleBench>,
     pub targets: Vec<Target>,
 }
 
@@ -114,6 +116,40 @@ impl Report {
                     u.rss_mb < 30.0 && u.cpu_percent < 1.0,
                 );
             }
+        }
+        if let Some(c) = &self.console {
+            let worst = c
+                .views
+                .iter()
+                .filter(|v| v.query.contains("page_size=100&") || v.query == "page_size=100")
+                .map(|v| v.max_ms)
+                .fold(0.0, f64::max);
+            add(
+                &format!("a page of 100, any view, {} jobs (max)", c.jobs),
+                "< 300 ms",
+                format!("{worst:.0} ms"),
+                worst < 300.0,
+            );
+            let added = c.busy.follower_cpu_percent - c.idle.follower_cpu_percent;
+            add(
+                &format!("{} consoles on a follower during e2e", c.busy.consoles),
+                "< 15% of a core added",
+                format!("{added:+.1}%"),
+                added < 15.0,
+            );
+            add(
+                "etcd watchers with them",
+                "no more than without",
+                format!("{:.0} vs {:.0}", c.busy.etcd_watchers, c.idle.etcd_watchers),
+                c.busy.etcd_watchers <= c.idle.etcd_watchers,
+            );
+            let drop = 100.0 * (1.0 - c.with.clean_per_sec / c.without.clean_per_sec.max(1e-9));
+            add(
+                "e2e throughput with them",
+                "< 10% lower",
+                format!("{drop:+.1}%"),
+                drop < 10.0,
+            );
         }
         if let Some(s) = &self.schedules {
             add(
@@ -313,6 +349,42 @@ impl Report {
                 s.leader_rss_mb,
                 s.etcd_db_mb
             );
+        }
+        if let Some(c) = &self.console {
+            let _ = writeln!(
+                o,
+                "\nconsole: pages of /api/v1/jobs on a follower over {} jobs",
+                c.jobs
+            );
+            let _ = writeln!(
+                o,
+                "  {:<52} {:>6} {:>8} {:>8}",
+                "view", "jobs", "p50 ms", "max ms"
+            );
+            for v in &c.views {
+                let _ = writeln!(
+                    o,
+                    "  {:<52} {:>6} {:>8.1} {:>8.1}",
+                    v.query, v.jobs_on_page, v.p50_ms, v.max_ms
+                );
+            }
+            let _ = writeln!(
+                o,
+                "  e2e on 3 coordinators, {} jobs, submitted to a follower:",
+                c.with.jobs
+            );
+            let _ = writeln!(
+                o,
+                "  {:<20} {:>10} {:>16} {:>14} {:>8}",
+                "consoles", "clean/s", "follower CPU %", "etcd watchers", "events"
+            );
+            for (e, k) in [(&c.without, &c.idle), (&c.with, &c.busy)] {
+                let _ = writeln!(
+                    o,
+                    "  {:<20} {:>10.0} {:>16.1} {:>14.0} {:>8}",
+                    k.consoles, e.clean_per_sec, k.follower_cpu_percent, k.etcd_watchers, k.events
+                );
+            }
         }
         if !self.targets.is_empty() {
             let _ = writeln!(o, "\ntargets");

@@ -20,18 +20,23 @@ pub async fn sample(pid: i32, window: Duration) -> anyhow::Result<Usage> {
     tokio::time::sleep(window).await;
     let c1 = cpu_ticks(pid)?;
     let secs = t0.elapsed().as_secs_f64();
+    Ok(Usage {
+        rss_mb: rss_kib(pid)? as f64 / 1024.0,
+        cpu_percent: cpu_percent(c1 - c0, secs),
+    })
+}
+
+/// Of one core: `ticks` of CPU over `secs` of wall time.
+pub fn cpu_percent(ticks: u64, secs: f64) -> f64 {
     let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
         .ok()
         .flatten()
         .unwrap_or(100) as f64;
-    Ok(Usage {
-        rss_mb: rss_kib(pid)? as f64 / 1024.0,
-        cpu_percent: 100.0 * (c1 - c0) as f64 / hz / secs,
-    })
+    100.0 * ticks as f64 / hz / secs
 }
 
 /// utime + stime of a process, in clock ticks.
-fn cpu_ticks(pid: i32) -> anyhow::Result<u64> {
+pub fn cpu_ticks(pid: i32) -> anyhow::Result<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .with_context(|| format!("reading /proc/{pid}/stat"))?;
     // Fields after the command name (which may hold spaces) start after the last ')'.

@@ -6,19 +6,20 @@ use std::time::Duration;
 use clap::Args;
 
 /// The scenarios, in the order they run.
-pub const ALL_SCENARIOS: [&str; 6] = [
+pub const ALL_SCENARIOS: [&str; 7] = [
     "submit",
     "e2e",
     "recovery",
     "failover",
     "footprint",
     "schedules",
+    "console",
 ];
 
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// Comma-separated scenarios: submit, e2e, recovery, failover, footprint, schedules
-    /// (default: all).
+    /// Comma-separated scenarios: submit, e2e, recovery, failover, footprint, schedules,
+    /// console (default: all).
     #[arg(long, env = "BATON_BENCH_SCENARIOS", value_delimiter = ',')]
     pub scenarios: Vec<String>,
     /// etcd members of the benchmark's own etcd.
@@ -45,6 +46,9 @@ pub struct BenchArgs {
     /// failover: leader SIGKILLs, and as many SIGTERMs.
     #[arg(long, env = "BATON_BENCH_FAILOVERS", default_value_t = 20)]
     pub failovers: usize,
+    /// console: jobs preloaded for the paging views.
+    #[arg(long, env = "BATON_BENCH_CONSOLE_JOBS", default_value_t = 100_000)]
+    pub console_jobs: usize,
     /// schedules: schedules due at one instant.
     #[arg(long, env = "BATON_BENCH_SCHEDULES", default_value_t = 10_000)]
     pub schedules: usize,
