@@ -341,7 +341,7 @@ const overview = {
       h("h3", {}, "Jobs"),
       countsBox(),
       h("h3", {}, "Replicas"),
-      table(["replica", "address", "role", "readiness"], live.replicas.map((r) => h("tr", { "data-replica": r.replica_id }, h("td", {}, r.replica_id), h("td", {}, r.advertise), h("td", {}, r.leader ? "leader" : "follower"), h("td", {}, "ready"))), "No replica in the election."),
+      table(["replica", "address", "role", "readiness"], live.replicas.map((r) => h("tr", { "data-replica": r.replica_id }, h("td", {}, r.replica_id), h("td", {}, r.advertise), h("td", {}, r.leader ? "leader" : "follower"), h("td", {}, "ready: reaches etcd (its lease is alive)"))), "No replica in the election."),
       h("h3", {}, "Workers"),
       workersTable()
     );
@@ -359,7 +359,8 @@ const jobsView = {
   async load() {
     const q = new URLSearchParams({ page_size: "50" });
     for (const [k, v] of Object.entries(this.query)) if (v) q.set(k, v);
-    const t = this.tokens[this.tokens.length - 1];
+    // A live view: each page at the newest revision, from the id the token holds.
+    const t = this.tokens[this.tokens.length - 1].replace(/^\d+\//, "0/");
     if (t) q.set("page_token", t);
     try {
       this.page = await api("GET", "/api/v1/jobs?" + q);

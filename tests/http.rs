@@ -230,7 +230,17 @@ async fn every_documented_route_needs_a_token_and_writes_need_their_role() {
             StatusCode::UNAUTHORIZED,
             "{method} {route} with a wrong token"
         );
-        let read = send(&http, method.clone(), &url, Some(READ), &[], body.clone()).await;
+        let read = if route.ends_with("/events") {
+            // A stream: its status and headers are the answer.
+            let r = http.get(&url).bearer_auth(READ).send().await.unwrap();
+            Answer {
+                status: r.status(),
+                headers: r.headers().clone(),
+                body: String::new(),
+            }
+        } else {
+            send(&http, method.clone(), &url, Some(READ), &[], body.clone()).await
+        };
         if role == "read" {
             assert!(
                 ![StatusCode::UNAUTHORIZED, StatusCode::FORBIDDEN].contains(&read.status),
@@ -917,4 +927,96 @@ async fn a_follower_forwards_a_resignation_to_the_leader_with_its_peer_token() {
         log.contains("resign-forward") && log.contains("\"caller\":\"ops\""),
         "no audit line of the forward"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_streams_are_bounded_and_end_when_their_token_is_removed() {
+    let secrets = tempfile::tempdir().unwrap();
+    let file = tokens(secrets.path());
+    let c = Cluster::start(http_opts(vec![
+        "--auth-tokens-file".into(),
+        file.display().to_string(),
+        "--http-max-streams".into(),
+        "2".into(),
+    ]));
+    let base = format!("http://{}", c.replica_http[0]);
+    let http = client();
+    let leader = format!("{base}/api/v1/leader");
+    wait_for(
+        "the HTTP API to answer",
+        Duration::from_secs(30),
+        || async { answers(&http, &leader, Some(READ)).await.then_some(()) },
+    )
+    .await;
+    let events = format!("{base}/api/v1/events");
+    let open = |token: &'static str| {
+        let (http, events) = (http.clone(), events.clone());
+        async move { http.get(&events).bearer_auth(token).send().await.unwrap() }
+    };
+    let mut first = open(READ).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(first.headers()["content-type"], "text/event-stream");
+    let chunk = String::from_utf8(first.chunk().await.unwrap().unwrap().to_vec()).unwrap();
+    assert!(chunk.starts_with("event: snapshot\ndata: {"), "{chunk}");
+    let second = open(ADMIN).await;
+    assert_eq!(second.status(), StatusCode::OK);
+    // The third is one too many.
+    let third = send(&http, Method::GET, &events, Some(ADMIN), &[], None).await;
+    assert_eq!(
+        (third.status, third.code().as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "UNAVAILABLE")
+    );
+
+    // A submission shows in the stream.
+    let spec = json!({"job_id": "seen-live", "spec": {"command": ["true"]}});
+    let a = send(
+        &http,
+        Method::POST,
+        &format!("{base}/api/v1/jobs"),
+        Some(SUBMIT),
+        &[],
+        Some(spec.to_string()),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let mut seen = String::new();
+    let found = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Ok(Some(c)) = first.chunk().await {
+            seen.push_str(&String::from_utf8_lossy(&c));
+            if seen.contains("seen-live") {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(
+        found.ok(),
+        Some(true),
+        "the job never showed in the stream: {seen}"
+    );
+
+    // The read token is removed: its stream ends with an error; the admin's goes on.
+    write(
+        secrets.path(),
+        "tokens.new",
+        &format!("{SUBMIT} submit ci\n{ADMIN} admin ops\n"),
+    );
+    std::fs::rename(secrets.path().join("tokens.new"), &file).unwrap();
+    let mut rest = String::new();
+    let ended = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Ok(Some(c)) = first.chunk().await {
+            rest.push_str(&String::from_utf8_lossy(&c));
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the stream outlived its token: {rest}");
+    assert!(
+        rest.contains("event: error") && rest.contains("UNAUTHENTICATED"),
+        "{rest}"
+    );
+    // Its place is free again.
+    let again = open(ADMIN).await;
+    assert_eq!(again.status(), StatusCode::OK);
+    drop(second);
 }

@@ -53,6 +53,13 @@ impl ClusterApi {
         caller: &str,
     ) -> Result<proto::ResignLeadershipResponse, Status> {
         let leader = election::current_leader(&self.store, &self.keys).await?;
+        if leader.replica_id == self.replica_id {
+            // etcd names this replica, which has not confirmed its term yet (or is stepping
+            // down): calling itself would only come back here.
+            return Err(Status::unavailable(
+                "this replica is between terms; retry shortly",
+            ));
+        }
         let ch = self
             .peer
             .connect(
@@ -63,9 +70,12 @@ impl ClusterApi {
             .await
             .map_err(Status::unavailable)?;
         let mut req = Request::new(proto::ResignLeadershipRequest { term });
-        if let Ok(v) = format!("{}:{caller}", self.replica_id).parse() {
-            req.metadata_mut().insert(FORWARDED, v);
-        }
+        // A replica id is a validated name, so always a valid header value.
+        let by = self
+            .replica_id
+            .parse()
+            .map_err(|_| Status::internal("a replica id that is not a header value"))?;
+        req.metadata_mut().insert(FORWARDED, by);
         tracing::info!(target: "baton::audit", action = "resign-forward", caller = %caller, replica = %self.replica_id, leader = %leader.replica_id, "resignation forwarded to the leader");
         let resp = ClusterServiceClient::new(ch)
             .resign_leadership(req)

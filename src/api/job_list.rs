@@ -16,7 +16,8 @@ use crate::jobs::{self, spec, Range};
 use crate::proto;
 use crate::store::{codec, Keys, Store};
 
-/// Entries one request reads at most, over all prefixes and rounds.
+/// Entries one request reads at most, over all prefixes and rounds (a first round of at most
+/// 3 x 1,001 included).
 pub const MAX_SCAN: usize = 5_000;
 
 /// Entries read per prefix in a round after the first: bounded, so a round's memory is.
@@ -110,6 +111,8 @@ pub async fn list(
                 Err(e) => return Err(e.into()),
             };
             rev = r;
+            // Every entry read counts, kept or not: the cap bounds what etcd sends.
+            scanned += kvs.len();
             note_bound(&mut bound, prefix, &kvs, chunk);
             batches.push((prefix.clone(), kvs));
         }
@@ -121,7 +124,6 @@ pub async fn list(
                 if bound.as_deref().is_some_and(|b| id > b) {
                     continue;
                 }
-                scanned += 1;
                 if found.contains_key(id) {
                     continue;
                 }
@@ -143,7 +145,10 @@ pub async fn list(
             Some(b) => after = b,
             None => more = false,
         }
-        chunk = ROUND.min(MAX_SCAN.saturating_sub(scanned)).max(1);
+        // What is left of the cap, shared by the prefixes.
+        chunk = ROUND
+            .min(MAX_SCAN.saturating_sub(scanned) / prefixes.len().max(1))
+            .max(1);
     }
     let mut jobs: Vec<proto::Job> = found.into_values().collect();
     let next_page_token = if jobs.len() > size {

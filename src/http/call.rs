@@ -24,6 +24,8 @@ pub const MAX_BODY_BYTES: usize = crate::api::MAX_REQUEST_BYTES;
 pub struct Input {
     pub fields: Map<String, Value>,
     pub caller: Option<Caller>,
+    /// To check again while a stream lasts.
+    pub credentials: Option<super::auth::Credentials>,
 }
 
 impl<S: Send + Sync> FromRequest<S> for Input {
@@ -31,10 +33,13 @@ impl<S: Send + Sync> FromRequest<S> for Input {
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         let (mut parts, body) = req.into_parts();
-        let params = <Path<Vec<(String, String)>> as axum::extract::FromRequestParts<S>>::from_request_parts(&mut parts, state)
+        let params = match <Path<Vec<(String, String)>> as axum::extract::FromRequestParts<S>>::from_request_parts(&mut parts, state)
             .await
-            .map(|p| p.0)
-            .unwrap_or_default();
+        {
+            Ok(p) => p.0,
+            Err(axum::extract::rejection::PathRejection::MissingPathParams(_)) => Vec::new(),
+            Err(e) => return Err(ApiError::bad_request(format!("malformed path: {e}"))),
+        };
         let bytes = axum::body::to_bytes(body, MAX_BODY_BYTES)
             .await
             .map_err(|_| {
@@ -87,6 +92,7 @@ impl<S: Send + Sync> FromRequest<S> for Input {
         Ok(Input {
             fields,
             caller: parts.extensions.get::<Caller>().cloned(),
+            credentials: parts.extensions.get::<super::auth::Credentials>().cloned(),
         })
     }
 }

@@ -11,23 +11,21 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, HeaderMap, HeaderValue};
+use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 use tokio::sync::{watch, OwnedSemaphorePermit};
 use tokio::time::Instant;
 
+use super::auth::{Credentials, RECHECK};
 use super::call::Input;
 use super::live::{Changed, Snapshot, Topics};
 use super::routes::{event, stream_permit, Apis};
-use crate::security::Policy;
 
 /// Updates to one stream come at least this far apart.
 pub const MIN_GAP: Duration = Duration::from_millis(250);
 /// A comment line this often keeps idle streams open through proxies.
 pub const KEEPALIVE: Duration = Duration::from_secs(15);
-/// How often a stream checks that its token still holds.
-pub const RECHECK: Duration = Duration::from_millis(250);
 
 /// What one stream has sent so far.
 struct Sent {
@@ -75,21 +73,15 @@ fn message(s: &Snapshot, sent: Option<&Sent>) -> Value {
 struct Stream {
     rx: watch::Receiver<Arc<Snapshot>>,
     sent: Option<Sent>,
-    policy: Arc<Policy>,
-    /// The Authorization header it was opened with, checked again every [`RECHECK`].
-    authorization: Option<HeaderValue>,
+    /// What it was opened with, checked again every [`RECHECK`].
+    credentials: Option<Credentials>,
     done: bool,
     _permit: OwnedSemaphorePermit,
 }
 
 impl Stream {
     fn token_holds(&self) -> bool {
-        let Some(auth) = &self.authorization else {
-            return true;
-        };
-        let mut h = HeaderMap::new();
-        h.insert(header::AUTHORIZATION, auth.clone());
-        self.policy.authenticate(&h, None).is_ok()
+        self.credentials.as_ref().is_none_or(Credentials::holds)
     }
 
     /// The next chunk of the body, or `None` at the end.
@@ -98,6 +90,11 @@ impl Stream {
             return None;
         }
         let Some(sent) = &self.sent else {
+            // Nothing until the hub has read etcd once: no page shows made-up zeros.
+            if self.rx.wait_for(|s| s.seq > 0).await.is_err() {
+                self.done = true;
+                return None;
+            }
             let snap = self.rx.borrow_and_update().clone();
             let m = message(&snap, None);
             self.sent = Some(Sent {
@@ -146,20 +143,15 @@ impl Stream {
     }
 }
 
-pub async fn events(State(s): State<Apis>, headers: HeaderMap, input: Input) -> Response {
+pub async fn events(State(s): State<Apis>, input: Input) -> Response {
     let permit = match stream_permit(&s) {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
-    drop(input);
     let stream = Stream {
         rx: s.hub.subscribe(),
         sent: None,
-        policy: s.policy.clone(),
-        authorization: headers
-            .get(header::AUTHORIZATION)
-            .cloned()
-            .filter(|_| s.authentication),
+        credentials: input.credentials,
         done: false,
         _permit: permit,
     };

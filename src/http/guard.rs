@@ -41,7 +41,9 @@ impl Browser {
     pub fn new(advertise: &str, allowed: &[String], tls: bool) -> Self {
         let mut hosts: HashSet<String> = allowed.iter().map(|h| key(&normalize(h))).collect();
         hosts.insert("localhost".into());
-        if let Some(h) = host_of(advertise) {
+        // An unspecified address (`0.0.0.0`, `[::]`) names no host to answer to.
+        let named = host_of(advertise).filter(|h| !ip_of(h).is_some_and(|ip| ip.is_unspecified()));
+        if let Some(h) = named {
             hosts.insert(key(&h));
         }
         Browser {
@@ -62,11 +64,17 @@ impl Browser {
         headers: &HeaderMap,
         authority: Option<&str>,
     ) -> Result<(), ApiError> {
-        let raw = headers
-            .get(header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .or(authority)
-            .unwrap_or_default();
+        let host_header = headers.get(header::HOST).and_then(|h| h.to_str().ok());
+        if let (Some(h), Some(a)) = (host_header, authority) {
+            if !h.eq_ignore_ascii_case(a) {
+                return Err(ApiError::new(
+                    StatusCode::MISDIRECTED_REQUEST,
+                    Code::PermissionDenied,
+                    "the Host header and the request's authority differ",
+                ));
+            }
+        }
+        let raw = host_header.or(authority).unwrap_or_default();
         let host = host_of(raw).unwrap_or_default();
         if !self.allowed_host(&host) {
             return Err(ApiError::new(
@@ -271,5 +279,21 @@ mod tests {
         assert!(b
             .check(&get, &HeaderMap::new(), Some("127.0.0.1:7601"))
             .is_ok());
+    }
+
+    #[test]
+    fn an_unspecified_advertise_address_and_a_split_authority_are_refused() {
+        let b = Browser::new("0.0.0.0:7600", &[], false);
+        let h = headers(&[("host", "0.0.0.0:7601")]);
+        assert_eq!(
+            b.check(&Method::GET, &h, None).unwrap_err().status,
+            StatusCode::MISDIRECTED_REQUEST
+        );
+        let h = headers(&[("host", "127.0.0.1:7601")]);
+        let e = b
+            .check(&Method::GET, &h, Some("evil.test:7601"))
+            .unwrap_err();
+        assert_eq!(e.status, StatusCode::MISDIRECTED_REQUEST);
+        assert!(b.check(&Method::GET, &h, Some("127.0.0.1:7601")).is_ok());
     }
 }

@@ -26,6 +26,12 @@ pub const PUBLISH_EVERY: Duration = Duration::from_millis(100);
 /// Changed job ids remembered for consoles that are behind.
 pub const RECENT: usize = 2_000;
 
+/// More changed ids than this in one update: the page reloads instead.
+pub const MAX_IDS: usize = 200;
+
+/// How often the workers are re-read, at most.
+const WORKERS_EVERY: Duration = Duration::from_secs(1);
+
 /// Jobs by what the console shows of them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Counts {
@@ -102,6 +108,9 @@ impl Snapshot {
             .collect();
         ids.sort();
         ids.dedup();
+        if ids.len() > MAX_IDS {
+            return Changed::All;
+        }
         Changed::Ids(ids)
     }
 }
@@ -126,6 +135,7 @@ struct State {
     snap: Snapshot,
     recent: VecDeque<(u64, String)>,
     workers_changed: bool,
+    workers_read: tokio::time::Instant,
     leader_changed: bool,
     changed: bool,
 }
@@ -193,10 +203,15 @@ impl Hub {
         tokio::spawn(async move {
             let mut pause = Duration::from_millis(100);
             loop {
+                let seq = tx.borrow().seq;
                 let r = tokio::select! {
                     r = run(&store, &keys, &tx) => r,
                     _ = stop.cancelled() => return,
                 };
+                if tx.borrow().seq > seq {
+                    // It ran a while: the next failure starts from a short pause again.
+                    pause = Duration::from_millis(100);
+                }
                 if let Err(e) = r {
                     tracing::warn!(error = %e, "the console's live view lost etcd; re-reading");
                     tx.send_modify(|s| {
@@ -274,6 +289,7 @@ async fn run(store: &Store, keys: &Keys, tx: &watch::Sender<Arc<Snapshot>>) -> R
         },
         recent: VecDeque::new(),
         workers_changed: true,
+        workers_read: tokio::time::Instant::now() - WORKERS_EVERY,
         leader_changed: true,
         changed: true,
     };
@@ -349,7 +365,7 @@ async fn run(store: &Store, keys: &Keys, tx: &watch::Sender<Arc<Snapshot>>) -> R
                 if resp.canceled() || resp.compact_revision() > 0 {
                     return Err(format!("the watch was cancelled (compacted at {})", resp.compact_revision()));
                 }
-                if let Some(h) = resp.header() {
+                if let (Some(h), false) = (resp.header(), resp.events().is_empty()) {
                     st.snap.revision = st.snap.revision.max(h.revision());
                 }
                 for ev in resp.events() {
@@ -359,9 +375,14 @@ async fn run(store: &Store, keys: &Keys, tx: &watch::Sender<Arc<Snapshot>>) -> R
                 }
             }
             _ = tick.tick() => {
-                if st.changed {
+                // Nobody reads but the hub's own handle: keep counting, read nothing more.
+                let watched = tx.receiver_count() > 1;
+                let pending = st.changed || st.workers_changed || st.leader_changed;
+                if pending && watched {
                     refresh(store, keys, &mut st).await;
-                    publish(tx, &mut st);
+                    if st.changed {
+                        publish(tx, &mut st);
+                    }
                 }
             }
         }
@@ -374,6 +395,12 @@ fn apply(keys: &Keys, st: &mut State, ty: EventType, kv: &etcd_client::KeyValue)
     let next = st.snap.seq + 1;
     let job = |st: &mut State, id: &str| {
         st.recent.push_back((next, id.to_string()));
+        // Bounded even while nobody watches and nothing is published.
+        while st.recent.len() > RECENT {
+            if let Some((s, _)) = st.recent.pop_front() {
+                st.snap.forgotten = st.snap.forgotten.max(s);
+            }
+        }
         st.snap.topics.jobs = next;
         st.changed = true;
     };
@@ -396,19 +423,19 @@ fn apply(keys: &Keys, st: &mut State, ty: EventType, kv: &etcd_client::KeyValue)
         }
         job(st, id);
     } else {
+        // The leader and the workers are re-read by `refresh`, which marks them changed.
         let s = std::str::from_utf8(key).unwrap_or_default();
         if s.starts_with(&keys.election()) {
             st.leader_changed = true;
-            st.snap.topics.leader = next;
         } else if s.starts_with(&keys.terms()) {
             st.snap.topics.history = next;
+            st.changed = true;
         } else if s.starts_with(&keys.schedules()) || s.starts_with(&keys.schedule_statuses()) {
             st.snap.topics.schedules = next;
+            st.changed = true;
         } else {
             st.workers_changed = true;
-            st.snap.topics.workers = next;
         }
-        st.changed = true;
     }
 }
 
@@ -416,16 +443,21 @@ fn apply(keys: &Keys, st: &mut State, ty: EventType, kv: &etcd_client::KeyValue)
 /// events and consoles.
 async fn refresh(store: &Store, keys: &Keys, st: &mut State) {
     if st.leader_changed {
-        st.snap.leader = crate::election::current_leader(store, keys)
-            .await
-            .ok()
-            .map(|l| crate::api::leader_to_proto(&l));
+        let leader = match crate::election::current_leader(store, keys).await {
+            Ok(l) => Some(crate::api::leader_to_proto(&l)),
+            Err(crate::election::Error::NoLeader) => None,
+            // Unknown: keep what was shown and read again at the next publication.
+            Err(_) => return,
+        };
         let mut c = store.client();
         let opts = GetOptions::new().with_prefix().with_sort(
             etcd_client::SortTarget::Create,
             etcd_client::SortOrder::Ascend,
         );
-        if let Ok(resp) = c.get(keys.election(), Some(opts)).await {
+        let Ok(resp) = c.get(keys.election(), Some(opts)).await else {
+            return;
+        };
+        {
             st.snap.replicas = resp
                 .kvs()
                 .iter()
@@ -433,9 +465,7 @@ async fn refresh(store: &Store, keys: &Keys, st: &mut State) {
                     let r: crate::election::CandidateRecord =
                         serde_json::from_slice(kv.value()).ok()?;
                     Some(Replica {
-                        leader: st
-                            .snap
-                            .leader
+                        leader: leader
                             .as_ref()
                             .is_some_and(|l| l.term == kv.create_revision()),
                         replica_id: r.replica_id,
@@ -444,9 +474,14 @@ async fn refresh(store: &Store, keys: &Keys, st: &mut State) {
                 })
                 .collect();
         }
+        st.snap.leader = leader;
         st.leader_changed = false;
+        st.snap.topics.leader = st.snap.seq + 1;
+        st.changed = true;
     }
-    if st.workers_changed {
+    // Assignments change with every job: the workers are read at most once a second.
+    if st.workers_changed && st.workers_read.elapsed() >= WORKERS_EVERY {
+        st.workers_read = tokio::time::Instant::now();
         if let Ok(fleet) = crate::jobs::fleet::read(store, keys).await {
             let now = records::now_ms();
             st.snap.workers = fleet
@@ -455,6 +490,8 @@ async fn refresh(store: &Store, keys: &Keys, st: &mut State) {
                 .map(|w| crate::api::worker_proto(w, now))
                 .collect();
             st.workers_changed = false;
+            st.snap.topics.workers = st.snap.seq + 1;
+            st.changed = true;
         }
     }
 }
@@ -462,11 +499,6 @@ async fn refresh(store: &Store, keys: &Keys, st: &mut State) {
 /// Ids were stamped with the seq this publication gets.
 fn publish(tx: &watch::Sender<Arc<Snapshot>>, st: &mut State) {
     st.snap.seq += 1;
-    while st.recent.len() > RECENT {
-        if let Some((s, _)) = st.recent.pop_front() {
-            st.snap.forgotten = st.snap.forgotten.max(s);
-        }
-    }
     st.snap.counts = st.counts;
     st.snap.recent = Arc::new(st.recent.clone());
     st.changed = false;

@@ -41,7 +41,7 @@ pub struct Apis {
     pub stop: CancellationToken,
     /// What the console's live streams read.
     pub hub: super::live::Hub,
-    /// To check, while a stream lasts, that its token still holds.
+    /// Who may call what.
     pub policy: Arc<crate::security::Policy>,
 }
 
@@ -198,6 +198,7 @@ async fn follow_logs(State(s): State<Apis>, input: Input) -> Response {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
+    let revoked = input.credentials.clone();
     let req = match input.request::<FollowJobLogsRequest>() {
         Ok(r) => r,
         Err(e) => return e.into_response(),
@@ -211,7 +212,8 @@ async fn follow_logs(State(s): State<Apis>, input: Input) -> Response {
                     let _held = &permit;
                     Ok::<_, std::convert::Infallible>(c.map(|c| c.content).unwrap_or_default())
                 })
-                .take_until(s.stop.clone().cancelled_owned());
+                .take_until(s.stop.clone().cancelled_owned())
+                .take_until(ended(revoked));
             text(Body::from_stream(chunks))
         }
         Err(st) => ApiError::from(st).into_response(),
@@ -225,13 +227,26 @@ async fn watch_job(State(s): State<Apis>, input: Input) -> Response {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
+    let revoked = input.credentials.clone();
     let req = match input.request::<WatchJobRequest>() {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
     match JobService::watch_job(&s.jobs, req).await {
-        Ok(r) => events(r.into_inner(), permit, s.stop.clone()),
+        Ok(r) => events(
+            r.into_inner().take_until(ended(revoked)),
+            permit,
+            s.stop.clone(),
+        ),
         Err(st) => ApiError::from(st).into_response(),
+    }
+}
+
+/// Resolves when `credentials` stop holding (never without them).
+async fn ended(credentials: Option<super::auth::Credentials>) {
+    match credentials {
+        Some(c) => c.revoked().await,
+        None => std::future::pending().await,
     }
 }
 
