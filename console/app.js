@@ -270,6 +270,26 @@ async function follow() {
 
 // ---- views ----
 
+/// A view that loads when shown and reloads, at most once a second, on the updates `relevant`
+/// picks.
+function liveView(name, load, relevant) {
+  return {
+    name,
+    load,
+    render() {
+      this.reload = throttled(() => this.load());
+      this.load();
+    },
+    onUpdate(msg) {
+      if (relevant(msg)) this.reload();
+    },
+  };
+}
+
+function jobsChanged(msg) {
+  return msg.changed.jobs === "all" || msg.changed.jobs.length > 0;
+}
+
 /// Calls `load` at most once a second while updates keep coming.
 function throttled(load) {
   let last = 0;
@@ -410,7 +430,7 @@ const jobsView = {
     add(main, nav);
   },
   onUpdate(msg) {
-    if (msg.changed.jobs === "all" || msg.changed.jobs.length > 0) this.reload();
+    if (jobsChanged(msg)) this.reload();
   },
 };
 
@@ -445,9 +465,9 @@ function cleanupActions(j) {
   ];
 }
 
-const cleanupsView = {
-  name: "cleanups",
-  async load() {
+const cleanupsView = liveView(
+  "cleanups",
+  async function () {
     try {
       const [ops, pending] = await Promise.all([api("GET", "/api/v1/jobs?cleanup=CLEANUP_NEEDS_OPERATOR&page_size=200"), api("GET", "/api/v1/jobs?cleanup=CLEANUP_PENDING&page_size=200")]);
       clearError();
@@ -457,14 +477,8 @@ const cleanupsView = {
       showError(e);
     }
   },
-  render() {
-    this.reload = throttled(() => this.load());
-    this.load();
-  },
-  onUpdate(msg) {
-    if (msg.changed.jobs === "all" || msg.changed.jobs.length > 0) this.reload();
-  },
-};
+  jobsChanged
+);
 
 const workersView = {
   name: "workers",
@@ -476,9 +490,9 @@ const workersView = {
   },
 };
 
-const schedulesView = {
-  name: "schedules",
-  async load() {
+const schedulesView = liveView(
+  "schedules",
+  async function () {
     try {
       const r = await api("GET", "/api/v1/schedules");
       clearError();
@@ -508,18 +522,12 @@ const schedulesView = {
       showError(e);
     }
   },
-  render() {
-    this.reload = throttled(() => this.load());
-    this.load();
-  },
-  onUpdate(msg) {
-    if (msg.changed.schedules || msg.changed.jobs === "all" || msg.changed.jobs.length > 0) this.reload();
-  },
-};
+  (msg) => msg.changed.schedules || jobsChanged(msg)
+);
 
-const historyView = {
-  name: "history",
-  async load() {
+const historyView = liveView(
+  "history",
+  async function () {
     try {
       const r = await api("GET", "/api/v1/leader/history?limit=100");
       clearError();
@@ -531,14 +539,8 @@ const historyView = {
       showError(e);
     }
   },
-  render() {
-    this.reload = throttled(() => this.load());
-    this.load();
-  },
-  onUpdate(msg) {
-    if (msg.changed.history || msg.changed.leader) this.reload();
-  },
-};
+  (msg) => msg.changed.history || msg.changed.leader
+);
 
 function jobView(id) {
   let logAbort = null;

@@ -77,6 +77,19 @@ async fn send(
     }
 }
 
+async fn get(client: &reqwest::Client, url: &str, token: Option<&str>) -> Answer {
+    send(client, Method::GET, url, token, &[], None).await
+}
+
+async fn post(
+    client: &reqwest::Client,
+    url: &str,
+    token: Option<&str>,
+    body: Option<String>,
+) -> Answer {
+    send(client, Method::POST, url, token, &[], body).await
+}
+
 /// Whether `url` answers 200 with `token`; `false` while the listener is not up yet.
 async fn answers(client: &reqwest::Client, url: &str, token: Option<&str>) -> bool {
     let mut r = client.get(url);
@@ -273,15 +286,7 @@ async fn every_documented_route_needs_a_token_and_writes_need_their_role() {
 
     // The roles as the routes see them.
     for (token, role) in [(READ, "read"), (SUBMIT, "submit"), (ADMIN, "admin")] {
-        let a = send(
-            &http,
-            Method::GET,
-            &format!("{base}/api/v1/whoami"),
-            Some(token),
-            &[],
-            None,
-        )
-        .await;
+        let a = get(&http, &format!("{base}/api/v1/whoami"), Some(token)).await;
         assert_eq!(a.status, StatusCode::OK);
         assert_eq!(a.json()["role"], role);
         assert_eq!(a.json()["authentication"], true);
@@ -289,12 +294,10 @@ async fn every_documented_route_needs_a_token_and_writes_need_their_role() {
     // A submit token submits; what the API answers is what gRPC answers.
     let spec =
         json!({"job_id": "via-http", "spec": {"command": ["sh", "-c", "echo hello over http"]}});
-    let a = send(
+    let a = post(
         &http,
-        Method::POST,
         &format!("{base}/api/v1/jobs"),
         Some(SUBMIT),
-        &[],
         Some(spec.to_string()),
     )
     .await;
@@ -302,26 +305,15 @@ async fn every_documented_route_needs_a_token_and_writes_need_their_role() {
     assert_eq!(a.json()["job"]["job_id"], "via-http");
     assert_eq!(a.json()["job"]["submitted_by"], "ci");
     let done = wait_for("the job to finish", Duration::from_secs(60), || async {
-        let a = send(
-            &http,
-            Method::GET,
-            &format!("{base}/api/v1/jobs/via-http"),
-            Some(READ),
-            &[],
-            None,
-        )
-        .await;
+        let a = get(&http, &format!("{base}/api/v1/jobs/via-http"), Some(READ)).await;
         (a.json()["state"] == "FINISHED").then_some(a)
     })
     .await;
     assert_eq!(done.json()["exit_code"], 0);
-    let logs = send(
+    let logs = get(
         &http,
-        Method::GET,
         &format!("{base}/api/v1/jobs/via-http/logs"),
         Some(READ),
-        &[],
-        None,
     )
     .await;
     assert_eq!(logs.status, StatusCode::OK);
@@ -334,12 +326,10 @@ async fn every_documented_route_needs_a_token_and_writes_need_their_role() {
     assert!(grpc.is_none(), "gRPC needs a token too");
     // Submitting the same id with another spec: 409, as ALREADY_EXISTS.
     let other = json!({"job_id": "via-http", "spec": {"command": ["true"]}});
-    let a = send(
+    let a = post(
         &http,
-        Method::POST,
         &format!("{base}/api/v1/jobs"),
         Some(SUBMIT),
-        &[],
         Some(other.to_string()),
     )
     .await;
@@ -348,12 +338,10 @@ async fn every_documented_route_needs_a_token_and_writes_need_their_role() {
         (StatusCode::CONFLICT, "ALREADY_EXISTS")
     );
     // Cancelling a finished job: 409, as FAILED_PRECONDITION.
-    let a = send(
+    let a = post(
         &http,
-        Method::POST,
         &format!("{base}/api/v1/jobs/via-http/cancel"),
         Some(SUBMIT),
-        &[],
         None,
     )
     .await;
@@ -363,13 +351,10 @@ async fn every_documented_route_needs_a_token_and_writes_need_their_role() {
         "{}",
         a.body
     );
-    let a = send(
+    let a = get(
         &http,
-        Method::GET,
         &format!("{base}/api/v1/jobs/no-such-job"),
         Some(READ),
-        &[],
-        None,
     )
     .await;
     assert_eq!(
@@ -391,7 +376,7 @@ async fn bad_input_and_foreign_pages_are_refused_with_json_and_change_nothing() 
         || async { answers(&http, &url, None).await.then_some(()) },
     )
     .await;
-    let leader = send(&http, Method::GET, &url, None, &[], None).await;
+    let leader = get(&http, &url, None).await;
     // Every answer: a strict CSP, nosniff, no framing, no CORS.
     let csp = leader.headers["content-security-policy"].to_str().unwrap();
     for part in [
@@ -446,52 +431,26 @@ async fn bad_input_and_foreign_pages_are_refused_with_json_and_change_nothing() 
         ),
     ];
     for (what, body) in bodies {
-        let a = send(&http, Method::POST, &jobs, None, &[], Some(body)).await;
+        let a = post(&http, &jobs, None, Some(body)).await;
         assert_eq!(a.status, StatusCode::BAD_REQUEST, "{what}: {}", a.body);
         assert_eq!(a.code(), "INVALID_ARGUMENT", "{what}");
         assert!(!a.json()["message"].as_str().unwrap().is_empty());
     }
     for id in ["..%2F..%2Fetc", "%3Cscript%3E", "a%00b", "%E2%80%AE"] {
-        let a = send(&http, Method::GET, &format!("{jobs}/{id}"), None, &[], None).await;
+        let a = get(&http, &format!("{jobs}/{id}"), None).await;
         assert_eq!(a.status, StatusCode::BAD_REQUEST, "GET {id}: {}", a.body);
-        let a = send(
-            &http,
-            Method::POST,
-            &format!("{jobs}/{id}/cancel"),
-            None,
-            &[],
-            None,
-        )
-        .await;
+        let a = post(&http, &format!("{jobs}/{id}/cancel"), None, None).await;
         assert_eq!(a.status, StatusCode::BAD_REQUEST, "cancel {id}: {}", a.body);
     }
-    let a = send(
-        &http,
-        Method::GET,
-        &format!("{jobs}?page_size=x"),
-        None,
-        &[],
-        None,
-    )
-    .await;
+    let a = get(&http, &format!("{jobs}?page_size=x"), None).await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.body);
-    let a = send(
-        &http,
-        Method::GET,
-        &format!("{jobs}?state=SLEEPING"),
-        None,
-        &[],
-        None,
-    )
-    .await;
+    let a = get(&http, &format!("{jobs}?state=SLEEPING"), None).await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST, "{}", a.body);
     // The path's id and the body's must agree.
-    let a = send(
+    let a = post(
         &http,
-        Method::POST,
         &format!("{jobs}/a/cleanup/abandon"),
         None,
-        &[],
         Some(json!({"job_id": "b"}).to_string()),
     )
     .await;
@@ -600,28 +559,12 @@ async fn bad_input_and_foreign_pages_are_refused_with_json_and_change_nothing() 
     )
     .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.body);
-    let a = send(
-        &http,
-        Method::GET,
-        &format!("{base}/api/v1/nothing-here"),
-        None,
-        &[],
-        None,
-    )
-    .await;
+    let a = get(&http, &format!("{base}/api/v1/nothing-here"), None).await;
     assert_eq!(
         (a.status, a.code().as_str()),
         (StatusCode::NOT_FOUND, "NOT_FOUND")
     );
-    let doc = send(
-        &http,
-        Method::GET,
-        &format!("{base}/api/v1/openapi.json"),
-        None,
-        &[],
-        None,
-    )
-    .await;
+    let doc = get(&http, &format!("{base}/api/v1/openapi.json"), None).await;
     assert_eq!(doc.body, OPENAPI);
 }
 
@@ -809,29 +752,13 @@ async fn paging_over_ten_thousand_jobs_is_complete_bounded_and_survives_compacti
     );
 
     // A token whose revision etcd compacted goes on at the newest revision, with a notice.
-    let first = send(
-        &http,
-        Method::GET,
-        &format!("{jobs}?page_size=100"),
-        None,
-        &[],
-        None,
-    )
-    .await;
+    let first = get(&http, &format!("{jobs}?page_size=100"), None).await;
     let token = first.json()["next_page_token"]
         .as_str()
         .unwrap()
         .to_string();
     let extra = json!({"job_id": "page-zzz", "spec": {"command": ["true"], "worker_selector": {"pool": "nowhere"}}});
-    let a = send(
-        &http,
-        Method::POST,
-        &jobs,
-        None,
-        &[],
-        Some(extra.to_string()),
-    )
-    .await;
+    let a = post(&http, &jobs, None, Some(extra.to_string())).await;
     assert_eq!(a.status, StatusCode::OK);
     let mut etcd = etcd_client::Client::connect(c.etcd.endpoints(), None)
         .await
@@ -844,12 +771,9 @@ async fn paging_over_ten_thousand_jobs_is_complete_bounded_and_survives_compacti
         .unwrap()
         .revision();
     etcd.compact(now, None).await.unwrap();
-    let next = send(
+    let next = get(
         &http,
-        Method::GET,
         &format!("{jobs}?page_size=100&page_token={token}"),
-        None,
-        &[],
         None,
     )
     .await;
@@ -888,17 +812,9 @@ async fn a_follower_forwards_a_resignation_to_the_leader_with_its_peer_token() {
     let follower = format!("http://{}", c.replica_http[fi]);
     let body = json!({"term": old_term}).to_string();
     let url = format!("{follower}/api/v1/leader/resign");
-    let a = send(
-        &http,
-        Method::POST,
-        &url,
-        Some(SUBMIT),
-        &[],
-        Some(body.clone()),
-    )
-    .await;
+    let a = post(&http, &url, Some(SUBMIT), Some(body.clone())).await;
     assert_eq!(a.status, StatusCode::FORBIDDEN, "{}", a.body);
-    let a = send(&http, Method::POST, &url, Some(ADMIN), &[], Some(body)).await;
+    let a = post(&http, &url, Some(ADMIN), Some(body)).await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.body);
     assert_eq!(a.json()["replica_id"], old_id.as_str());
     assert_eq!(a.json()["resigned_term"], old_term.to_string());
@@ -909,7 +825,7 @@ async fn a_follower_forwards_a_resignation_to_the_leader_with_its_peer_token() {
         "the new term in the history",
         Duration::from_secs(30),
         || async {
-            let h = send(&http, Method::GET, &history, Some(READ), &[], None).await;
+            let h = get(&http, &history, Some(READ)).await;
             let terms = h.json()["terms"].as_array()?.clone();
             terms
                 .iter()
@@ -961,7 +877,7 @@ async fn live_streams_are_bounded_and_end_when_their_token_is_removed() {
     let second = open(ADMIN).await;
     assert_eq!(second.status(), StatusCode::OK);
     // The third is one too many.
-    let third = send(&http, Method::GET, &events, Some(ADMIN), &[], None).await;
+    let third = get(&http, &events, Some(ADMIN)).await;
     assert_eq!(
         (third.status, third.code().as_str()),
         (StatusCode::SERVICE_UNAVAILABLE, "UNAVAILABLE")
@@ -969,12 +885,10 @@ async fn live_streams_are_bounded_and_end_when_their_token_is_removed() {
 
     // A submission shows in the stream.
     let spec = json!({"job_id": "seen-live", "spec": {"command": ["true"]}});
-    let a = send(
+    let a = post(
         &http,
-        Method::POST,
         &format!("{base}/api/v1/jobs"),
         Some(SUBMIT),
-        &[],
         Some(spec.to_string()),
     )
     .await;
