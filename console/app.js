@@ -366,8 +366,13 @@ const overview = {
       workersTable()
     );
   },
-  onUpdate() {
-    this.render();
+  /// Redrawn only when what it shows changed, so a button is not replaced under the pointer.
+  onUpdate(msg) {
+    const counts = JSON.stringify(msg.counts);
+    if (msg.changed.leader || msg.changed.workers || counts !== this.shown) {
+      this.shown = counts;
+      this.render();
+    }
   },
 };
 

@@ -140,9 +140,16 @@ async fn the_overview_shows_the_leader_and_a_job_goes_running_then_finished_with
         t == id
     })
     .await;
-    assert_eq!(b.text("#overview-term").await.unwrap(), term.to_string());
-    assert_eq!(b.text("#status").await.unwrap(), "live");
-    assert_eq!(b.count("[data-replica]").await, 3, "three replicas listed");
+    b.wait_text("the term on the overview", "#overview-term", |t| {
+        t == term.to_string()
+    })
+    .await;
+    b.wait_text("the live status", "#status", |t| t == "live")
+        .await;
+    wait_for("three replicas listed", Duration::from_secs(30), || async {
+        (b.count("[data-replica]").await == 3).then_some(())
+    })
+    .await;
     // No reload from here on: this mark would be gone.
     b.run("window.__sameDocument = true; return true;").await;
     let dir = scratch(&c);

@@ -86,16 +86,29 @@ impl Browser {
         self.client.goto(url).await.unwrap();
     }
 
-    /// The text of the first element matching `css`, if there is one.
-    pub async fn text(&self, css: &str) -> Option<String> {
+    /// The text of the first element matching `css`, if there is one now (a page that
+    /// redraws may replace it between the find and the read).
+    pub async fn text_once(&self, css: &str) -> Option<String> {
         let e = self.client.find(Locator::Css(css)).await.ok()?;
         e.text().await.ok()
+    }
+
+    /// The text of the first element matching `css`, waiting for one that can be read.
+    pub async fn text(&self, css: &str) -> Option<String> {
+        Some(
+            wait_for(
+                &format!("{css} to be readable"),
+                Duration::from_secs(30),
+                || self.text_once(css),
+            )
+            .await,
+        )
     }
 
     /// Waits until the element matching `css` shows text that satisfies `ok`; returns it.
     pub async fn wait_text(&self, what: &str, css: &str, ok: impl Fn(&str) -> bool) -> String {
         wait_for(what, Duration::from_secs(45), || async {
-            let t = self.text(css).await?;
+            let t = self.text_once(css).await?;
             ok(&t).then_some(t)
         })
         .await
