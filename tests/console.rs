@@ -425,6 +425,23 @@ go();
     )
 }
 
+/// What the attack page's script noted, once it has sent everything.
+async fn attack_results(b: &Browser) -> Vec<String> {
+    wait_for(
+        "the attack page to finish",
+        Duration::from_secs(30),
+        || async { (b.run("return window.done === true;").await == json!(true)).then_some(()) },
+    )
+    .await;
+    let results = b.run("return window.results;").await;
+    results
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap().to_string())
+        .collect()
+}
+
 /// Serves `page` at `/` on a free loopback port until dropped.
 async fn serve_page(page: String) -> (u16, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -491,17 +508,10 @@ async fn pages_from_another_port_or_a_rebound_name_cannot_submit_cancel_drain_or
         // Another loopback port: a different origin.
         let (attacker, task) = serve_page(attack_page(&base, token)).await;
         b.goto(&format!("http://127.0.0.1:{attacker}/")).await;
-        wait_for(
-            "the attack page to finish",
-            Duration::from_secs(30),
-            || async { (b.run("return window.done === true;").await == json!(true)).then_some(()) },
-        )
-        .await;
         // A no-cors answer is opaque (status 0) whatever happened: what decides is etcd,
         // compared below. A cors request must fail at its preflight.
-        let results = b.run("return window.results;").await;
-        for r in results.as_array().unwrap() {
-            let r = r.as_str().unwrap();
+        for r in attack_results(&b).await {
+            let r = r.as_str();
             if r.contains(" cors ") {
                 assert!(r.ends_with("failed"), "a cors request got an answer: {r}");
             }
@@ -537,15 +547,8 @@ async fn pages_from_another_port_or_a_rebound_name_cannot_submit_cancel_drain_or
             .unwrap()
             .to_string();
         b.run(&js).await;
-        wait_for(
-            "the rebound page to finish",
-            Duration::from_secs(30),
-            || async { (b.run("return window.done === true;").await == json!(true)).then_some(()) },
-        )
-        .await;
-        let results = b.run("return window.results;").await;
-        for r in results.as_array().unwrap() {
-            let r = r.as_str().unwrap();
+        for r in attack_results(&b).await {
+            let r = r.as_str();
             assert!(
                 !r.ends_with(" 200"),
                 "a rebound page's request went through: {r}"

@@ -192,15 +192,28 @@ pub(super) fn stream_permit(s: &Apis) -> Result<tokio::sync::OwnedSemaphorePermi
     })
 }
 
+/// What a stream starts with: its place among `--http-max-streams`, the credentials it checks
+/// while it lasts, and its request.
+fn open_stream<T: serde::de::DeserializeOwned>(
+    s: &Apis,
+    input: Input,
+) -> Result<
+    (
+        tokio::sync::OwnedSemaphorePermit,
+        Option<super::auth::Credentials>,
+        tonic::Request<T>,
+    ),
+    ApiError,
+> {
+    let permit = stream_permit(s)?;
+    let credentials = input.credentials.clone();
+    Ok((permit, credentials, input.request()?))
+}
+
 /// The log as it grows, as text, until the attempt ends.
 async fn follow_logs(State(s): State<Apis>, input: Input) -> Response {
-    let permit = match stream_permit(&s) {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
-    };
-    let revoked = input.credentials.clone();
-    let req = match input.request::<FollowJobLogsRequest>() {
-        Ok(r) => r,
+    let (permit, revoked, req) = match open_stream::<FollowJobLogsRequest>(&s, input) {
+        Ok(x) => x,
         Err(e) => return e.into_response(),
     };
     match JobService::follow_job_logs(&s.jobs, req).await {
@@ -223,13 +236,8 @@ async fn follow_logs(State(s): State<Apis>, input: Input) -> Response {
 /// The job each time it changes, as server-sent events (`data: <job>`); an error ends the
 /// stream with `event: error`.
 async fn watch_job(State(s): State<Apis>, input: Input) -> Response {
-    let permit = match stream_permit(&s) {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
-    };
-    let revoked = input.credentials.clone();
-    let req = match input.request::<WatchJobRequest>() {
-        Ok(r) => r,
+    let (permit, revoked, req) = match open_stream::<WatchJobRequest>(&s, input) {
+        Ok(x) => x,
         Err(e) => return e.into_response(),
     };
     match JobService::watch_job(&s.jobs, req).await {
