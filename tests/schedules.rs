@@ -360,6 +360,28 @@ async fn schedule_operations_keep_their_promises() {
     );
     assert_ne!(fresh.create_revision, 0);
 
+    // A create retried after a lost answer gets the schedule it made; a different definition
+    // under the name is refused and changes nothing.
+    let retried = create(
+        &c,
+        "again",
+        def("@every 1h", OverlapPolicy::OverlapForbid, sh("true")),
+    )
+    .await;
+    assert_eq!(
+        (retried.create_revision, retried.revision),
+        (fresh.create_revision, fresh.revision)
+    );
+    let other = cl
+        .create_schedule(CreateScheduleRequest {
+            name: "again".into(),
+            definition: Some(def("@every 2h", OverlapPolicy::OverlapForbid, sh("true"))),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(other.code(), tonic::Code::AlreadyExists, "{other:?}");
+    assert_eq!(get(&c, &all, "again").await.revision, fresh.revision);
+
     // An update that would put a tick in the past fires nothing early.
     let slow = create(
         &c,

@@ -35,7 +35,7 @@ pub enum Error {
     Invalid(#[from] Invalid),
     #[error("no schedule {0}")]
     NotFound(String),
-    #[error("schedule {0} already exists")]
+    #[error("schedule {0} already exists with a different definition")]
     AlreadyExists(String),
     /// The definition changed since the revision the caller read.
     #[error("schedule {name} changed since revision {expected} (now {actual}); read it again")]

@@ -144,6 +144,18 @@ impl ScheduleRecord {
             updated_at_ms: now_ms,
         }
     }
+
+    /// Whether `other` defines the same ticks and jobs: what a create compares, so a create
+    /// retried after a lost answer is not refused.
+    pub fn same_definition(&self, other: &ScheduleRecord) -> bool {
+        self.spec == other.spec
+            && self.cron == other.cron
+            && self.tz == other.tz
+            && self.overlap == other.overlap
+            && self.catchup == other.catchup
+            && self.catchup_window == other.catchup_window
+            && self.keep_results == other.keep_results
+    }
 }
 
 /// One decided tick (or trigger or backfill), as the status keeps it.

@@ -142,7 +142,9 @@ fn anchor(now_ms: u64) -> u64 {
     now_ms - now_ms % 1000
 }
 
-/// Creates schedule `name`; `ALREADY_EXISTS` if the name is taken.
+/// Creates schedule `name`. A create repeated with the same definition (a client retrying after
+/// a lost answer) is answered with the schedule as it stands; `ALREADY_EXISTS` if the name holds
+/// a different one.
 pub async fn create(
     store: &Store,
     keys: &Keys,
@@ -174,7 +176,10 @@ pub async fn create(
         .timed("create schedule", c.txn(write.into_txn()))
         .await?;
     if !resp.succeeded() {
-        return Err(Error::AlreadyExists(name.to_string()));
+        let (existing, ..) = read(store, keys, name).await?;
+        if !existing.same_definition(&record) {
+            return Err(Error::AlreadyExists(name.to_string()));
+        }
     }
     get(store, keys, name).await
 }
