@@ -124,13 +124,21 @@ impl Browser {
     }
 
     pub async fn click(&self, css: &str) {
-        let e = wait_for(
-            &format!("{css} to appear"),
+        wait_for(
+            &format!("{css} to appear and take a click"),
             Duration::from_secs(30),
-            || async { self.client.find(Locator::Css(css)).await.ok() },
+            || async {
+                let e = self.client.find(Locator::Css(css)).await.ok()?;
+                match e.click().await {
+                    Ok(()) => Some(()),
+                    // The live view re-rendered between the find and the click (a person's
+                    // click lands on the new element): find it again.
+                    Err(err) if err.is_stale_element_reference() => None,
+                    Err(err) => panic!("clicking {css}: {err}"),
+                }
+            },
         )
         .await;
-        e.click().await.unwrap();
     }
 
     /// Runs `script` in the page and returns its value (an async script: call
