@@ -30,6 +30,13 @@ pub mod server;
 pub mod store;
 pub mod worker;
 
+/// This process's incarnation: drawn at random once, at its start, so a replica restarted in
+/// place on the same address and id is told from the one before it.
+pub fn incarnation() -> &'static str {
+    static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    ID.get_or_init(|| format!("{:016x}", fastrand::u64(..)))
+}
+
 pub mod proto {
     tonic::include_proto!("baton.v1");
     include!(concat!(env!("OUT_DIR"), "/baton.v1.serde.rs"));

@@ -486,3 +486,64 @@ async fn the_term_history_records_each_term_after_the_one_it_followed() {
         "newest first: {terms:?}"
     );
 }
+
+/// `Identify` on the replica at `addr`.
+async fn identify(addr: std::net::SocketAddr) -> baton::proto::Identity {
+    use baton::proto::cluster_service_client::ClusterServiceClient;
+    let mut c = ClusterServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    c.identify(baton::proto::IdentifyRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_process_identifies_itself_and_a_restart_in_place_is_another_incarnation() {
+    let mut c = Cluster::start(Options {
+        replicas: 2,
+        ..Options::default()
+    });
+    let leader = c
+        .wait_leader(&[0, 1], Duration::from_secs(30), |_| true)
+        .await;
+    let li = c.index_of(&leader.replica_id);
+    let fi = 1 - li;
+    let (l, f) = (
+        identify(c.replicas[li].listen()).await,
+        identify(c.replicas[fi].listen()).await,
+    );
+    assert_eq!(
+        (l.cluster.as_str(), l.replica_id.as_str()),
+        ("test", leader.replica_id.as_str())
+    );
+    assert_eq!((l.term, l.lease_id), (leader.term, leader.lease_id));
+    assert_eq!(l.pid, c.replicas[li].pid() as u32);
+    assert_eq!((f.term, f.lease_id), (0, 0), "a follower leads no term");
+    assert_ne!(l.incarnation, f.incarnation);
+    // The follower, restarted on the same address: same id, another incarnation.
+    c.replicas[fi].restart().unwrap();
+    let again = wait_for(
+        "the restarted follower",
+        Duration::from_secs(30),
+        || async {
+            let addr = c.replicas[fi].listen();
+            let mut client = baton::proto::cluster_service_client::ClusterServiceClient::connect(
+                format!("http://{addr}"),
+            )
+            .await
+            .ok()?;
+            Some(
+                client
+                    .identify(baton::proto::IdentifyRequest {})
+                    .await
+                    .ok()?
+                    .into_inner(),
+            )
+        },
+    )
+    .await;
+    assert_eq!(again.replica_id, f.replica_id);
+    assert_ne!(again.incarnation, f.incarnation);
+}

@@ -104,6 +104,24 @@ pub fn leader_to_proto(l: &LeaderInfo) -> proto::LeaderInfo {
 
 #[tonic::async_trait]
 impl ClusterService for ClusterApi {
+    async fn identify(
+        &self,
+        _req: Request<proto::IdentifyRequest>,
+    ) -> Result<Response<proto::Identity>, Status> {
+        let (term, lease_id) = match self.role.borrow().term() {
+            Some(t) => (t.revision(), t.lease_id()),
+            None => (0, 0),
+        };
+        Ok(Response::new(proto::Identity {
+            cluster: self.keys.cluster().to_string(),
+            replica_id: self.replica_id.clone(),
+            incarnation: crate::incarnation().to_string(),
+            term,
+            lease_id,
+            pid: std::process::id(),
+        }))
+    }
+
     async fn get_leader_history(
         &self,
         req: Request<proto::GetLeaderHistoryRequest>,

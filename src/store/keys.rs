@@ -13,6 +13,13 @@ impl Keys {
         }
     }
 
+    /// The cluster's name.
+    pub fn cluster(&self) -> &str {
+        self.prefix
+            .trim_start_matches("/baton/")
+            .trim_end_matches('/')
+    }
+
     /// `/baton/<cluster>/`
     pub fn prefix(&self) -> &str {
         &self.prefix
