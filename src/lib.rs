@@ -18,6 +18,7 @@ pub mod devcluster;
 pub mod drill;
 pub mod election;
 pub mod exec;
+pub mod failover;
 pub mod http;
 pub mod jobs;
 pub mod logging;

@@ -81,6 +81,14 @@ pub struct Metrics {
     /// From a tick's scheduled time to its job's creation.
     pub schedule_lag_seconds: Histogram,
     pub schedule_clock_skews: IntCounter,
+    /// Fast failover, as a follower: leases revoked on evidence, and suspicions that ended
+    /// without evidence, by reason.
+    pub fast_failover_revokes: IntCounter,
+    pub fast_failover_inconclusive: IntCounterVec,
+    /// Fast failover: false alarms this replica, as a revoked live leader, recorded; and
+    /// revokes this replica, as a follower, held back because one was recorded.
+    pub fast_failover_false_alarms: IntCounter,
+    pub fast_failover_held_back: IntCounter,
     probes: Mutex<BTreeMap<String, Probe>>,
 }
 
@@ -173,6 +181,15 @@ impl Metrics {
         )
         .expect("valid metric");
         reg(Box::new(schedule_ticks.clone()));
+        let fast_failover_inconclusive = IntCounterVec::new(
+            Opts::new(
+                "baton_fast_failover_inconclusive_total",
+                "Ends of this follower's stream to the leader that gave no evidence the leader's process is gone, by reason (the lease then expires as usual).",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
+        reg(Box::new(fast_failover_inconclusive.clone()));
         let schedule_lag_seconds = Histogram::with_opts(
             HistogramOpts::new(
                 "baton_schedule_tick_lag_seconds",
@@ -193,6 +210,19 @@ impl Metrics {
             schedule_clock_skews: counter(
                 "baton_schedule_clock_skews_total",
                 "Schedules whose watermark this replica, as a new leader, found over a minute ahead of its clock.",
+            ),
+            fast_failover_revokes: counter(
+                "baton_fast_failover_revokes_total",
+                "Leader leases this follower revoked on evidence that the leader's process is gone.",
+            ),
+            fast_failover_inconclusive,
+            fast_failover_false_alarms: counter(
+                "baton_fast_failover_false_alarms_total",
+                "Times this replica, leading and alive, saw its election key revoked and recorded a false alarm (fast failover then waits 10 minutes).",
+            ),
+            fast_failover_held_back: counter(
+                "baton_fast_failover_held_back_total",
+                "Revokes on evidence this follower did not make because a false alarm is recorded.",
             ),
             leader_changes: counter(
                 "baton_leader_changes_total",

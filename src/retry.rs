@@ -155,6 +155,14 @@ pub mod policies {
     /// The election: granting a lease, campaigning, confirming a win.
     pub const ELECTION: Policy =
         Policy::doubling(Duration::from_millis(100), Duration::from_secs(2));
+    /// A follower opening its stream to the leader again (fast failover): short at first, since
+    /// a new leader confirms its term within milliseconds of winning.
+    pub const LEADER_WATCH: Policy =
+        Policy::doubling(Duration::from_millis(50), Duration::from_secs(1));
+    /// A follower probing a leader whose stream ended, when a connection was taken and dropped
+    /// unanswered (a process closing its sockets as it dies): again soon, within the bound.
+    pub const PROBE_AGAIN: Policy =
+        Policy::doubling(Duration::from_millis(10), Duration::from_millis(100));
     /// The CLI's rounds over the endpoints it was given.
     pub const CLIENT_ROUNDS: Policy =
         Policy::doubling(Duration::from_millis(100), Duration::from_secs(1));
@@ -283,6 +291,17 @@ mod tests {
         assert_eq!(
             policies::CLIENT_ROUNDS.delay_with(5, 0.5),
             Some(Duration::from_secs(1))
+        );
+        let w = policies::LEADER_WATCH;
+        assert_eq!(
+            (1..=6)
+                .map(|n| w.delay_with(n, 0.5).unwrap())
+                .collect::<Vec<_>>(),
+            [0.05, 0.1, 0.2, 0.4, 0.8, 1.0].map(s)
+        );
+        assert_eq!(
+            policies::PROBE_AGAIN.delay_with(5, 0.5),
+            Some(Duration::from_millis(100))
         );
         let u = policies::CLEANUP_UNRUN;
         assert_eq!(

@@ -94,6 +94,35 @@ pub fn lease_proven(replica: &str, lease: i64, sent: BootInstant, valid_until: B
     );
 }
 
+/// A follower revoked the lease of term `term` on evidence that its leader's process is gone:
+/// `evidence` says which (`refused`: its exact address refused a connection; `restarted`:
+/// another incarnation answered there), `incarnation` and `pid` name the process it watched.
+#[allow(clippy::too_many_arguments)]
+pub fn leader_process_gone(
+    replica: &str,
+    leader: &str,
+    term: i64,
+    lease: i64,
+    at: BootInstant,
+    evidence: &str,
+    incarnation: &str,
+    pid: u32,
+) {
+    tracing::info!(
+        target: TARGET,
+        event = "leader_process_gone",
+        replica,
+        leader,
+        term,
+        lease,
+        boottime_ns = at.as_nanos(),
+        evidence,
+        incarnation,
+        pid,
+        "revoked the lease of a leader whose process is gone"
+    );
+}
+
 /// One line of a role log, as written by the JSON formatter.
 #[derive(Clone, Debug, Deserialize)]
 pub struct RoleEvent {
@@ -124,6 +153,14 @@ pub struct RoleEvent {
     /// On `recovered`: how many entries.
     #[serde(default)]
     pub entries: Option<u64>,
+    /// On `leader_process_gone`: the leader whose lease was revoked, the evidence, and the pid
+    /// of the process watched.
+    #[serde(default)]
+    pub leader: Option<String>,
+    #[serde(default)]
+    pub evidence: Option<String>,
+    #[serde(default)]
+    pub pid: Option<u32>,
 }
 
 /// Reads the role events out of JSON log text; lines of other targets are skipped. A role line
@@ -194,6 +231,63 @@ pub fn terms(events: &[RoleEvent]) -> Vec<TermInterval> {
     out
 }
 
+/// A process seen to exit (by `waitid` in whoever started it), on `CLOCK_BOOTTIME`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Exit {
+    pub replica: String,
+    pub at: BootInstant,
+}
+
+/// [`terms`], each also ended by the first observed exit of its replica's process after it
+/// began: a process that is gone acts no more, whatever its lease promised. (A leader revoked on
+/// evidence of its death is replaced before its promise runs out.)
+pub fn terms_until_exits(events: &[RoleEvent], exits: &[Exit]) -> Vec<TermInterval> {
+    let mut out = terms(events);
+    for t in &mut out {
+        let exit = exits
+            .iter()
+            .filter(|x| x.replica == t.replica && x.at >= t.start)
+            .map(|x| x.at)
+            .min();
+        if let Some(x) = exit {
+            t.end = t.end.min(x);
+        }
+    }
+    out
+}
+
+/// Every revoke on evidence (`leader_process_gone`) of a process not seen to exit before it:
+/// the revoked term's replica must have an observed exit between the term's start and the
+/// revoke. Empty when all hold.
+pub fn unproven_revokes(events: &[RoleEvent], exits: &[Exit]) -> Vec<String> {
+    let began = |leader: &str, term: Option<i64>| {
+        events
+            .iter()
+            .find(|e| e.event == "became_leader" && e.replica == leader && e.term == term)
+            .map(|e| BootInstant::from_nanos(e.boottime_ns))
+    };
+    events
+        .iter()
+        .filter(|e| e.event == "leader_process_gone")
+        .filter_map(|e| {
+            let leader = e.leader.as_deref().unwrap_or_default();
+            let at = BootInstant::from_nanos(e.boottime_ns);
+            let from = began(leader, e.term).unwrap_or(BootInstant::from_nanos(0));
+            let seen = exits
+                .iter()
+                .any(|x| x.replica == leader && x.at >= from && x.at <= at);
+            (!seen).then(|| {
+                format!(
+                    "{} revoked term {} of {leader} (evidence {}) at {at} before its process was seen to exit",
+                    e.replica,
+                    e.term.unwrap_or_default(),
+                    e.evidence.as_deref().unwrap_or("?")
+                )
+            })
+        })
+        .collect()
+}
+
 /// Two terms that were both in force at once.
 #[derive(Debug, thiserror::Error)]
 #[error("term {} of {} ({}..{}) overlaps term {} of {} starting at {}", .earlier.term, .earlier.replica, .earlier.start, .earlier.end, .later.term, .later.replica, .later.start)]
@@ -249,6 +343,9 @@ mod tests {
             longest_keepalive_gap_ms: None,
             part: None,
             entries: None,
+            leader: None,
+            evidence: None,
+            pid: None,
         }
     }
 

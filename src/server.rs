@@ -145,6 +145,16 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         keys.clone(),
         shutdown.clone(),
     ));
+    fast_failover(
+        &args,
+        &replica_id,
+        &store,
+        &keys,
+        &security,
+        &role_rx,
+        &shutdown,
+    )
+    .await;
     let api_stop = CancellationToken::new();
     let jobs = JobApi::new(
         store.clone(),
@@ -226,6 +236,39 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
 
 /// What both `serve` and `worker` need before they start: etcd reached, the scratch folder,
 /// the guard binary, the listener.
+/// Starts the follower's side of fast failover, unless it is off or this replica's advertise
+/// address gives followers no one socket to test (then it is off, with a warning).
+async fn fast_failover(
+    args: &ServeArgs,
+    replica_id: &str,
+    store: &Store,
+    keys: &Keys,
+    security: &Security,
+    role: &watch::Receiver<Role>,
+    shutdown: &CancellationToken,
+) {
+    if !args.fast_failover {
+        tracing::info!("fast failover is off (--fast-failover false): a dead leader is replaced when its lease expires");
+        return;
+    }
+    if let Err(e) = crate::failover::target::resolve(&args.advertise()).await {
+        tracing::warn!(error = %e, "fast failover is off: set --advertise to one specific address to have a dead leader replaced in milliseconds");
+        return;
+    }
+    let config = crate::failover::Config {
+        replica_id: replica_id.to_string(),
+        ttl: args.lease_ttl,
+        peer: security.peer.clone(),
+    };
+    tokio::spawn(crate::failover::run(
+        store.clone(),
+        keys.clone(),
+        config,
+        role.clone(),
+        shutdown.clone(),
+    ));
+}
+
 struct Opened {
     keys: Keys,
     store: Store,

@@ -487,16 +487,8 @@ async fn the_term_history_records_each_term_after_the_one_it_followed() {
     );
 }
 
-/// `Identify` on the replica at `addr`.
 async fn identify(addr: std::net::SocketAddr) -> baton::proto::Identity {
-    use baton::proto::cluster_service_client::ClusterServiceClient;
-    let mut c = ClusterServiceClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap();
-    c.identify(baton::proto::IdentifyRequest {})
-        .await
-        .unwrap()
-        .into_inner()
+    identify_at(addr).await.expect("Identify answered")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -524,25 +516,9 @@ async fn each_process_identifies_itself_and_a_restart_in_place_is_another_incarn
     assert_ne!(l.incarnation, f.incarnation);
     // The follower, restarted on the same address: same id, another incarnation.
     c.replicas[fi].restart().unwrap();
-    let again = wait_for(
-        "the restarted follower",
-        Duration::from_secs(30),
-        || async {
-            let addr = c.replicas[fi].listen();
-            let mut client = baton::proto::cluster_service_client::ClusterServiceClient::connect(
-                format!("http://{addr}"),
-            )
-            .await
-            .ok()?;
-            Some(
-                client
-                    .identify(baton::proto::IdentifyRequest {})
-                    .await
-                    .ok()?
-                    .into_inner(),
-            )
-        },
-    )
+    let again = wait_for("the restarted follower", Duration::from_secs(30), || {
+        identify_at(c.replicas[fi].listen())
+    })
     .await;
     assert_eq!(again.replica_id, f.replica_id);
     assert_ne!(again.incarnation, f.incarnation);

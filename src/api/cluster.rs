@@ -90,6 +90,23 @@ impl ClusterApi {
     }
 }
 
+type IdentityStream =
+    std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<proto::Identity, Status>> + Send>>;
+
+impl ClusterApi {
+    /// Which process answers, and the term it leads (0 while it follows).
+    fn identity(&self, term: Option<&election::Term>) -> proto::Identity {
+        proto::Identity {
+            cluster: self.keys.cluster().to_string(),
+            replica_id: self.replica_id.clone(),
+            incarnation: crate::incarnation().to_string(),
+            term: term.map_or(0, |t| t.revision()),
+            lease_id: term.map_or(0, |t| t.lease_id()),
+            pid: std::process::id(),
+        }
+    }
+}
+
 pub fn leader_to_proto(l: &LeaderInfo) -> proto::LeaderInfo {
     proto::LeaderInfo {
         replica_id: l.replica_id.clone(),
@@ -108,18 +125,31 @@ impl ClusterService for ClusterApi {
         &self,
         _req: Request<proto::IdentifyRequest>,
     ) -> Result<Response<proto::Identity>, Status> {
-        let (term, lease_id) = match self.role.borrow().term() {
-            Some(t) => (t.revision(), t.lease_id()),
-            None => (0, 0),
-        };
-        Ok(Response::new(proto::Identity {
-            cluster: self.keys.cluster().to_string(),
-            replica_id: self.replica_id.clone(),
-            incarnation: crate::incarnation().to_string(),
-            term,
-            lease_id,
-            pid: std::process::id(),
-        }))
+        let term = self.role.borrow().term().cloned();
+        Ok(Response::new(self.identity(term.as_ref())))
+    }
+
+    type WatchLeaderStream = IdentityStream;
+
+    async fn watch_leader(
+        &self,
+        _req: Request<proto::WatchLeaderRequest>,
+    ) -> Result<Response<IdentityStream>, Status> {
+        let term = self.role.borrow().term().cloned();
+        let (tx, rx) = mpsc::channel(1);
+        let _ = tx.try_send(Ok(self.identity(term.as_ref())));
+        if let Some(term) = term {
+            // Held while the term lasts (or the watcher goes): its end tells followers to look.
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = term.ended() => {}
+                    _ = tx.closed() => {}
+                }
+            });
+        }
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn get_leader_history(

@@ -152,9 +152,20 @@ impl BenchCluster {
     /// Waits until replica `i`'s own answer names a leader whose term is above `above`, and
     /// that leader itself answers as leader. Returns the leader's index and term.
     pub async fn wait_leader(&self, above: i64, within: Duration) -> anyhow::Result<(usize, i64)> {
+        self.wait_leader_except(above, within, None).await
+    }
+
+    /// [`BenchCluster::wait_leader`] without asking replica `skip` (a paused one, whose
+    /// unanswered calls would only add their timeouts to what is measured).
+    pub async fn wait_leader_except(
+        &self,
+        above: i64,
+        within: Duration,
+        skip: Option<usize>,
+    ) -> anyhow::Result<(usize, i64)> {
         let deadline = Instant::now() + within;
         loop {
-            if let Some(found) = self.serving_leader(above).await {
+            if let Some(found) = self.serving_leader_except(above, skip).await {
                 return Ok(found);
             }
             if Instant::now() >= deadline {
@@ -168,8 +179,11 @@ impl BenchCluster {
     }
 
     /// The replica that answers as leader of a term above `above`, if one does now.
-    pub async fn serving_leader(&self, above: i64) -> Option<(usize, i64)> {
+    async fn serving_leader_except(&self, above: i64, skip: Option<usize>) -> Option<(usize, i64)> {
         for (i, r) in self.replicas.iter().enumerate() {
+            if Some(i) == skip {
+                continue;
+            }
             let Ok(ch) = channel(&r.listen().to_string()).await else {
                 continue;
             };

@@ -1,86 +1,262 @@
-//! Scenario `failover`: SIGKILLs and SIGTERMs of the leader of three coordinator-only
-//! replicas: how long the cluster had no leader, and how long until the new leader answered
-//! as leader. The killed replica is started again before the next round.
+//! Scenario `failover`: the leader of three replicas SIGKILLed, SIGTERMed and SIGSTOPped, at
+//! each TTL of `--failover-ttls`, with fast failover on and off, in one run: how long the
+//! cluster had no leader, how long until the new leader answered as leader, and when a job on
+//! the killed leader's own embedded worker ran again (its worker's lease is never revoked on
+//! evidence, so that still waits for the TTL and margin). Each term ends at the earliest of its
+//! step-down, its lease promise and its process's exit as seen here (`waitid`,
+//! `CLOCK_BOOTTIME`); a revoke on evidence of a process not yet seen to exit fails the bench.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use serde::Serialize;
 
 use super::cluster::{boot_now, ms_between, BenchCluster, Shape};
 use super::stats::Spread;
 use crate::config::BenchArgs;
+use crate::proto::{CancelJobRequest, GetJobRequest, JobSpec, JobState, SubmitJobRequest};
 use crate::rolelog;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Failover {
+    pub runs: Vec<FailoverRun>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct FailoverRun {
     pub lease_ttl_ms: u64,
+    pub fast_failover: bool,
     /// SIGKILL: from the kill to the new term's start (role log).
     pub kill_leaderless: Spread,
     /// SIGKILL: from the kill until the new leader answers as leader.
     pub kill_serving: Spread,
+    /// SIGKILL: from the kill until a job on the killed replica's embedded worker runs again.
+    pub kill_job_rerun: Spread,
     /// SIGTERM: from the old leader's step-down to the new term's start (role logs).
     pub term_leaderless: Spread,
     /// SIGTERM: from the signal until the new leader answers as leader.
     pub term_serving: Spread,
-    /// Terms that overlapped in the role logs (must be 0).
+    /// SIGSTOP: from the signal until the new leader answers as leader (lease expiry, always).
+    pub stop_serving: Spread,
+    /// Leases revoked on evidence (`leader_process_gone`).
+    pub revokes: usize,
+    /// Terms that overlapped, each ended at its process's exit at the latest (must be 0).
     pub overlapping_terms: usize,
+    /// Revokes on evidence of a process not seen to exit first (must be 0).
+    pub unproven_revokes: Vec<String>,
 }
 
 pub async fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<Failover> {
-    let mut c = BenchCluster::start(args, dir, Shape::coordinators(3))?;
-    let bound = args.lease_ttl * 4 + Duration::from_secs(20);
+    let mut runs = Vec::new();
+    for &ttl in &args.failover_ttls {
+        for fast in [true, false] {
+            let at = dir.join(format!("ttl{}s-fast-{fast}", ttl.as_secs()));
+            let run = one(args, &at, ttl, fast).await?;
+            anyhow::ensure!(
+                run.unproven_revokes.is_empty(),
+                "a revoke on evidence came before its leader's exit: {:?} (logs in {})",
+                run.unproven_revokes,
+                at.display()
+            );
+            runs.push(run);
+        }
+    }
+    Ok(Failover { runs })
+}
+
+/// Every replica answers and knows the leader again.
+async fn settle(c: &BenchCluster) {
+    for i in 0..c.replicas.len() {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !c.follows(i).await && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+async fn one(
+    args: &BenchArgs,
+    dir: &Path,
+    ttl: Duration,
+    fast: bool,
+) -> anyhow::Result<FailoverRun> {
+    let args = BenchArgs {
+        lease_ttl: ttl,
+        ..args.clone()
+    };
+    let mut c = BenchCluster::etcd(&args, dir)?;
+    for i in 1..=3 {
+        c.spawn(Shape {
+            replicas: 1,
+            replica_args: vec![
+                "--fast-failover".into(),
+                fast.to_string(),
+                "--labels".into(),
+                format!("replica=r{i}"),
+            ],
+            ..Shape::default()
+        })?;
+    }
+    let bound = ttl * 4 + Duration::from_secs(20);
     let (mut leader, mut term) = c.wait_leader(0, Duration::from_secs(60)).await?;
-    let mut kill = (Vec::new(), Vec::new());
-    let mut stop = (Vec::new(), Vec::new());
-    for round in 0..args.failovers * 2 {
-        let graceful = round % 2 == 1;
-        // Every replica follows the election again before the next fault.
-        for i in 0..c.replicas.len() {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while !c.follows(i).await && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+    let (mut kill, mut rerun, mut stop, mut paused) = (
+        (Vec::new(), Vec::new()),
+        Vec::new(),
+        (Vec::new(), Vec::new()),
+        Vec::new(),
+    );
+    for round in 0..args.failovers * 3 {
+        settle(&c).await;
+        let job = format!("pinned-{round}");
+        if round % 3 == 0 {
+            pin_job(&c, &job, &format!("r{}", leader + 1)).await?;
         }
         let (at, t0) = (boot_now(), Instant::now());
-        if graceful {
-            c.replicas[leader].sigterm();
-        } else {
-            c.replicas[leader].sigkill();
+        match round % 3 {
+            0 => c.replicas[leader].sigkill(),
+            1 => c.replicas[leader].sigterm(),
+            _ => c.replicas[leader].pause(),
         }
-        let (next, next_term) = c.wait_leader(term, bound).await?;
+        let skip = (round % 3 == 2).then_some(leader);
+        let (next, next_term) = c.wait_leader_except(term, bound, skip).await?;
         let serving = t0.elapsed().as_secs_f64() * 1e3;
-        let events = c.role_events();
-        let when = |ev: &str, t: i64| {
-            events
-                .iter()
-                .find(|e| e.event == ev && e.term == Some(t))
-                .map(|e| e.boottime_ns)
-        };
-        let began = when("became_leader", next_term).unwrap_or(at);
-        if graceful {
-            let down = when("stepped_down", term).unwrap_or(at);
-            stop.0.push(ms_between(down, began));
-            stop.1.push(serving);
-        } else {
-            kill.0.push(ms_between(at, began));
-            kill.1.push(serving);
+        let began = began(&c, next_term).unwrap_or(at);
+        match round % 3 {
+            0 => {
+                c.replicas[leader].restart()?;
+                rerun.push(rerun_ms(&c, &job, t0, bound).await?);
+                kill.0.push(ms_between(at, began));
+                kill.1.push(serving);
+            }
+            1 => {
+                let down = stepped_down(&c, term).unwrap_or(at);
+                stop.0.push(ms_between(down, began));
+                stop.1.push(serving);
+                c.replicas[leader].wait_exit(Duration::from_secs(30));
+                c.replicas[leader].restart()?;
+            }
+            _ => {
+                paused.push(serving);
+                c.replicas[leader].resume();
+            }
         }
-        c.replicas[leader].wait_exit(Duration::from_secs(30));
-        c.replicas[leader].restart()?;
         (leader, term) = (next, next_term);
     }
-    let terms = rolelog::terms(&c.role_events());
+    let events = c.role_events();
+    let exits: Vec<rolelog::Exit> = c.replicas.iter().flat_map(|r| r.exits()).collect();
+    let terms = rolelog::terms_until_exits(&events, &exits);
     let overlapping_terms = terms
         .windows(2)
         .filter(|w| rolelog::check_terms(w).is_err())
         .count();
-    Ok(Failover {
-        lease_ttl_ms: args.lease_ttl.as_millis() as u64,
+    Ok(FailoverRun {
+        lease_ttl_ms: ttl.as_millis() as u64,
+        fast_failover: fast,
         kill_leaderless: Spread::of(kill.0),
         kill_serving: Spread::of(kill.1),
+        kill_job_rerun: Spread::of(rerun),
         term_leaderless: Spread::of(stop.0),
         term_serving: Spread::of(stop.1),
+        stop_serving: Spread::of(paused),
+        revokes: events
+            .iter()
+            .filter(|e| e.event == "leader_process_gone")
+            .count(),
         overlapping_terms,
+        unproven_revokes: rolelog::unproven_revokes(&events, &exits),
     })
+}
+
+fn began(c: &BenchCluster, term: i64) -> Option<u64> {
+    event(c, "became_leader", term)
+}
+
+fn stepped_down(c: &BenchCluster, term: i64) -> Option<u64> {
+    event(c, "stepped_down", term)
+}
+
+fn event(c: &BenchCluster, ev: &str, term: i64) -> Option<u64> {
+    c.role_events()
+        .iter()
+        .find(|e| e.event == ev && e.term == Some(term))
+        .map(|e| e.boottime_ns)
+}
+
+/// Submits a long job only replica `id`'s embedded worker may run, and waits until it runs.
+async fn pin_job(c: &BenchCluster, job: &str, id: &str) -> anyhow::Result<()> {
+    let mut jobs = c.jobs_client(0).await?;
+    jobs.submit_job(SubmitJobRequest {
+        job_id: job.to_string(),
+        spec: Some(JobSpec {
+            command: vec!["sleep".into(), "3600".into()],
+            worker_selector: HashMap::from([("replica".to_string(), id.to_string())]),
+            max_attempts: 3,
+            ..Default::default()
+        }),
+    })
+    .await
+    .context("submitting the pinned job")?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let j = jobs
+            .get_job(GetJobRequest {
+                job_id: job.to_string(),
+            })
+            .await?
+            .into_inner();
+        if j.state == JobState::Running as i32 && j.worker == id {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "job {job} never ran on {id}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// From the kill (`t0`) until the pinned job runs again (on the restarted replica's worker);
+/// then cancels it.
+async fn rerun_ms(
+    c: &BenchCluster,
+    job: &str,
+    t0: Instant,
+    bound: Duration,
+) -> anyhow::Result<f64> {
+    let deadline = Instant::now() + bound;
+    loop {
+        if let Some(mut jobs) = ran_again(c, job).await {
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            let _ = jobs
+                .cancel_job(CancelJobRequest {
+                    job_id: job.to_string(),
+                })
+                .await;
+            return Ok(ms);
+        }
+        anyhow::ensure!(Instant::now() < deadline, "job {job} never ran again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A client of the first replica that answers, if it says the job runs its second attempt.
+async fn ran_again(
+    c: &BenchCluster,
+    job: &str,
+) -> Option<crate::proto::job_service_client::JobServiceClient<crate::security::AuthChannel>> {
+    for i in 0..c.replicas.len() {
+        let Ok(mut jobs) = c.jobs_client(i).await else {
+            continue;
+        };
+        let Ok(j) = jobs
+            .get_job(GetJobRequest {
+                job_id: job.to_string(),
+            })
+            .await
+        else {
+            continue;
+        };
+        let j = j.into_inner();
+        return (j.state == JobState::Running as i32 && j.attempts >= 2).then_some(jobs);
+    }
+    None
 }

@@ -43,10 +43,11 @@ pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-/// p50, p99 and max of unsorted milliseconds.
+/// min, p50, p99 and max of unsorted milliseconds.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Spread {
     pub n: usize,
+    pub min_ms: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
     pub max_ms: f64,
@@ -57,6 +58,7 @@ impl Spread {
         ms.sort_by(f64::total_cmp);
         Spread {
             n: ms.len(),
+            min_ms: ms.first().copied().unwrap_or(0.0),
             p50_ms: quantile(&ms, 0.5),
             p99_ms: quantile(&ms, 0.99),
             max_ms: ms.last().copied().unwrap_or(0.0),
@@ -77,6 +79,6 @@ mod tests {
         assert_eq!(quantile(&v, 0.0), 1.0);
         assert_eq!(quantile(&[], 0.5), 0.0);
         let s = Spread::of(vec![3.0, 1.0, 2.0]);
-        assert_eq!((s.n, s.p50_ms, s.max_ms), (3, 2.0, 3.0));
+        assert_eq!((s.n, s.min_ms, s.p50_ms, s.max_ms), (3, 1.0, 2.0, 3.0));
     }
 }

@@ -43,9 +43,13 @@ pub struct BenchArgs {
     /// third on dead workers, a third dirty results).
     #[arg(long, env = "BATON_BENCH_RECOVERY_JOBS", value_delimiter = ',', default_values_t = [10_000, 100_000])]
     pub recovery_jobs: Vec<usize>,
-    /// failover: leader SIGKILLs, and as many SIGTERMs.
-    #[arg(long, env = "BATON_BENCH_FAILOVERS", default_value_t = 20)]
+    /// failover: leader SIGKILLs, and as many SIGTERMs and SIGSTOPs, at each TTL with fast
+    /// failover on and off.
+    #[arg(long, env = "BATON_BENCH_FAILOVERS", default_value_t = 25)]
     pub failovers: usize,
+    /// failover: the lease TTLs to measure, one cluster each (with and without fast failover).
+    #[arg(long, env = "BATON_BENCH_FAILOVER_TTLS", value_delimiter = ',', value_parser = humantime::parse_duration, default_values = ["2s", "5s"])]
+    pub failover_ttls: Vec<Duration>,
     /// console: jobs preloaded for the paging views.
     #[arg(long, env = "BATON_BENCH_CONSOLE_JOBS", default_value_t = 100_000)]
     pub console_jobs: usize,

@@ -90,6 +90,12 @@ pub struct ServeArgs {
     /// whole system. With `false` this replica only coordinates.
     #[arg(long, env = "BATON_WORKER", default_value_t = true, action = clap::ArgAction::Set)]
     pub worker: bool,
+    /// Followers revoke a leader's lease at once on evidence that its process is gone (its
+    /// exact address refuses connections, or another incarnation answers there), instead of
+    /// waiting for the lease to expire. Off (with a warning) for an unspecified advertise
+    /// address or one that resolves to several.
+    #[arg(long, env = "BATON_FAST_FAILOVER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub fast_failover: bool,
     #[command(flatten)]
     pub run: RunArgs,
     #[command(flatten)]

@@ -2,7 +2,9 @@
 //!
 //! Modes: [`Mode::Pass`] forwards bytes; [`Mode::Blackhole`] keeps every connection open and
 //! silently drops what flows (a partition as a client sees it: no error, no answer);
-//! [`Mode::Reset`] resets every connection and refuses new ones with a reset. A connection that
+//! [`Mode::Reset`] resets every connection and refuses new ones with a reset; [`Mode::Closed`]
+//! resets every connection and stops listening, so connecting is refused (`ECONNREFUSED`) as
+//! if nothing listened there, until another mode opens the same port again. A connection that
 //! lost bytes in a blackhole is reset when the mode changes back, as its stream is corrupt.
 //!
 //! The proxy runs on its own thread and runtime so the test or drill driving it cannot stall it.
@@ -19,6 +21,7 @@ pub enum Mode {
     Pass,
     Blackhole,
     Reset,
+    Closed,
 }
 
 pub struct FaultProxy {
@@ -42,7 +45,7 @@ impl FaultProxy {
                     .enable_all()
                     .build()
                     .expect("proxy runtime");
-                rt.block_on(accept_loop(std_listener, target, mode_rx, stop_rx));
+                rt.block_on(accept_loop(std_listener, addr, target, mode_rx, stop_rx));
             })?;
         Ok(FaultProxy { addr, mode, stop })
     }
@@ -69,15 +72,37 @@ impl Drop for FaultProxy {
 
 async fn accept_loop(
     listener: std::net::TcpListener,
+    addr: SocketAddr,
     target: SocketAddr,
-    mode: watch::Receiver<Mode>,
+    mut mode: watch::Receiver<Mode>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let listener = TcpListener::from_std(listener).expect("proxy listener");
+    let mut listener = Some(TcpListener::from_std(listener).expect("proxy listener"));
     loop {
+        let accept = async {
+            match &listener {
+                Some(l) => l.accept().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             _ = stop.changed() => return,
-            accepted = listener.accept() => {
+            changed = mode.changed() => {
+                if changed.is_err() { return; }
+                let closed = *mode.borrow_and_update() == Mode::Closed;
+                if closed {
+                    listener = None;
+                } else if listener.is_none() {
+                    // The same port again; a client may have taken it meanwhile, then retry.
+                    while listener.is_none() {
+                        listener = TcpListener::bind(addr).await.ok();
+                        if listener.is_none() {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    }
+                }
+            }
+            accepted = accept => {
                 let Ok((client, _)) = accepted else { continue };
                 let mode = mode.clone();
                 let stop = stop.clone();
@@ -103,7 +128,7 @@ fn reset(s: TcpStream) {
 }
 
 async fn connection(client: TcpStream, target: SocketAddr, mut mode: watch::Receiver<Mode>) {
-    if *mode.borrow() == Mode::Reset {
+    if matches!(*mode.borrow(), Mode::Reset | Mode::Closed) {
         return reset(client);
     }
     let upstream = match TcpStream::connect(target).await {
@@ -122,7 +147,7 @@ async fn connection(client: TcpStream, target: SocketAddr, mut mode: watch::Rece
             changed = mode.changed() => {
                 if changed.is_err() { break; }
                 let m = *mode.borrow_and_update();
-                if m == Mode::Reset || (m == Mode::Pass && poisoned) { break; }
+                if matches!(m, Mode::Reset | Mode::Closed) || (m == Mode::Pass && poisoned) { break; }
             }
             n = cr.read(&mut cbuf) => {
                 let Ok(n) = n else { break };

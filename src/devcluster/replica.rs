@@ -5,12 +5,16 @@ use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use nix::errno::Errno;
 use nix::sys::signal::{kill, Signal};
+use nix::sys::wait::{waitid, Id, WaitPidFlag};
 use nix::unistd::Pid;
 
-use crate::rolelog::{self, RoleEvent};
+use crate::clock::BootInstant;
+use crate::rolelog::{self, Exit, RoleEvent};
 
 /// How to start one replica.
 #[derive(Clone, Debug)]
@@ -34,6 +38,10 @@ pub struct ReplicaProcess {
     spec: ReplicaSpec,
     child: Child,
     exit: Option<ExitStatus>,
+    /// When this process was seen to exit: what ends its terms for the overlap check.
+    exited: Arc<OnceLock<BootInstant>>,
+    /// When the earlier processes of this replica exited.
+    earlier: Vec<BootInstant>,
 }
 
 impl ReplicaProcess {
@@ -76,11 +84,38 @@ impl ReplicaProcess {
             });
         }
         let child = cmd.spawn()?;
+        let exited = Arc::new(OnceLock::new());
+        let seen = exited.clone();
+        let pid = Pid::from_raw(child.id() as i32);
+        std::thread::Builder::new()
+            .name(format!("exit-{}", spec.id))
+            .spawn(move || {
+                // WNOWAIT: seen without being reaped, so `Child` still reaps it (after this).
+                while let Err(Errno::EINTR) =
+                    waitid(Id::Pid(pid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT)
+                {
+                }
+                let _ = seen.set(BootInstant::now());
+            })?;
         Ok(ReplicaProcess {
             spec,
             child,
             exit: None,
+            exited,
+            earlier: Vec::new(),
         })
+    }
+
+    /// Every exit of this replica's processes seen so far, on `CLOCK_BOOTTIME`.
+    pub fn exits(&self) -> Vec<Exit> {
+        self.earlier
+            .iter()
+            .chain(self.exited.get())
+            .map(|at| Exit {
+                replica: self.spec.id.clone(),
+                at: *at,
+            })
+            .collect()
     }
 
     pub fn id(&self) -> &str {
@@ -139,7 +174,7 @@ impl ReplicaProcess {
 
     /// The exit status, if it has exited.
     pub fn try_exit(&mut self) -> Option<ExitStatus> {
-        if self.exit.is_none() {
+        if self.exit.is_none() && self.exited.get().is_some() {
             self.exit = self.child.try_wait().ok().flatten();
         }
         self.exit
@@ -172,7 +207,10 @@ impl ReplicaProcess {
         if self.try_exit().is_none() {
             self.sigkill();
         }
+        let mut earlier = std::mem::take(&mut self.earlier);
+        earlier.extend(self.exited.get());
         *self = ReplicaProcess::spawn(self.spec.clone())?;
+        self.earlier = earlier;
         Ok(())
     }
 }

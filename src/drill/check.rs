@@ -52,6 +52,8 @@ pub struct Target {
     /// The guards' execution ledger; `None` when drilling a remote cluster.
     pub ledger: Option<std::path::PathBuf>,
     pub role_logs: Vec<(String, std::path::PathBuf)>,
+    /// When the drill's own processes were seen to exit (empty for a remote cluster).
+    pub exits: Vec<crate::rolelog::Exit>,
 }
 
 async fn client(t: &Target) -> anyhow::Result<etcd_client::Client> {
@@ -368,10 +370,11 @@ pub async fn verify(
             Err(_) => {}
         }
     }
-    let terms = rolelog::terms(&events);
+    let terms = rolelog::terms_until_exits(&events, &lab.exits);
     if let Err(o) = rolelog::check_terms(&terms) {
         ev.push(o.to_string());
     }
+    ev.extend(rolelog::unproven_revokes(&events, &lab.exits));
     let known: HashSet<i64> = terms.iter().map(|t| t.term).collect();
     for (id, r) in &clean {
         if !known.contains(&r.term) {

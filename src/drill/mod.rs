@@ -92,6 +92,7 @@ impl Lab {
                 .iter()
                 .map(|r| (r.id().to_string(), r.role_log_path()))
                 .collect(),
+            exits: self.replicas.iter().flat_map(|r| r.exits()).collect(),
         }
     }
 

@@ -81,6 +81,7 @@ pub async fn run(args: DrillArgs, seed: u64) -> anyhow::Result<i32> {
         cluster: args.cluster.clone(),
         ledger: None,
         role_logs: Vec::new(),
+        exits: Vec::new(),
     };
     let client = ClientArgs {
         endpoints: args.endpoints.clone(),

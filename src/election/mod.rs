@@ -13,6 +13,7 @@
 pub mod history;
 mod lease;
 mod observer;
+pub mod revoked;
 mod term;
 
 pub use lease::{proof, prove_once, Lease, Proof, Watchdog};
@@ -212,6 +213,8 @@ pub async fn run(
             term.tracker()
                 .spawn(async move { history::trim(&t, &s, &k).await });
         }
+        term.tracker()
+            .spawn(revoked::watch_own_key(term.clone(), keys.clone()));
         let (reason, resign_reply) = hold(&term, &mut commands, &shutdown).await;
         if term.is_valid() {
             // Stepping down in order: the history says why, while the term still holds.

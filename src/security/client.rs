@@ -81,6 +81,31 @@ impl ClientSecurity {
                 .tls_config(tls.clone())
                 .map_err(|e| format!("TLS settings for {uri}: {e}"))?;
         }
+        self.dial(ep, addr).await
+    }
+
+    /// Connects to exactly `addr` (no name resolution), verifying a TLS certificate for `host`:
+    /// what a follower watching the leader dials, so a refused connection is about that socket.
+    pub async fn connect_exact(
+        &self,
+        host: &str,
+        addr: std::net::SocketAddr,
+        timeout: Duration,
+    ) -> Result<AuthChannel, String> {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
+            .map_err(|e| format!("invalid endpoint {addr}: {e}"))?
+            .connect_timeout(timeout)
+            .tcp_nodelay(true);
+        if let Some(tls) = &self.tls {
+            ep = ep
+                .tls_config(tls.clone().domain_name(host))
+                .map_err(|e| format!("TLS settings for {addr}: {e}"))?;
+        }
+        self.dial(ep, &addr.to_string()).await
+    }
+
+    async fn dial(&self, ep: Endpoint, addr: &str) -> Result<AuthChannel, String> {
         let ch = ep.connect().await.map_err(|e| {
             let mut msg = format!("cannot connect to {addr}: {e}");
             let mut src = std::error::Error::source(&e);

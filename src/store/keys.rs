@@ -30,6 +30,18 @@ impl Keys {
         format!("{}election", self.prefix)
     }
 
+    /// `fast-failover/last`: the latest revoke on evidence, on its follower's lease of one
+    /// election TTL (one revoke per TTL per cluster).
+    pub fn fast_failover_last(&self) -> String {
+        format!("{}fast-failover/last", self.prefix)
+    }
+
+    /// `fast-failover/false-alarm`: a live leader was revoked; on a 10-minute lease, and no
+    /// follower revokes while it exists.
+    pub fn fast_failover_false_alarm(&self) -> String {
+        format!("{}fast-failover/false-alarm", self.prefix)
+    }
+
     /// `jobs/`: submitted specs.
     pub fn jobs(&self) -> String {
         format!("{}jobs/", self.prefix)

@@ -43,6 +43,23 @@ pub struct Options {
     pub metrics: bool,
     /// Give every replica `--http-listen` on a free port.
     pub http: bool,
+    /// What each replica advertises.
+    pub advertise: Advertise,
+}
+
+/// What each replica advertises to the others.
+#[derive(Clone, Debug, Default)]
+pub enum Advertise {
+    /// Its listen address (`127.0.0.1:port`).
+    #[default]
+    Listen,
+    /// `0.0.0.0:port`: unspecified.
+    Unspecified,
+    /// `localhost:port`.
+    Localhost,
+    /// Replica `i` advertises a fault proxy (`Cluster::advertised[i]`) that forwards to replica
+    /// `v[i]`'s listen address.
+    Proxy(Vec<usize>),
 }
 
 impl Default for Options {
@@ -58,6 +75,7 @@ impl Default for Options {
             embedded: true,
             metrics: false,
             http: false,
+            advertise: Advertise::Listen,
         }
     }
 }
@@ -76,6 +94,8 @@ pub struct Cluster {
     pub worker_metrics: Vec<SocketAddr>,
     /// The HTTP API of each replica, with [`Options::http`].
     pub replica_http: Vec<SocketAddr>,
+    /// With [`Advertise::Proxy`]: the proxy each replica advertises.
+    pub advertised: Vec<FaultProxy>,
 }
 
 impl Cluster {
@@ -112,7 +132,22 @@ impl Cluster {
             [args, extra.to_vec()].concat()
         };
         let mut replica_http = Vec::new();
+        let listens: Vec<SocketAddr> = (0..opts.replicas)
+            .map(|_| ([127, 0, 0, 1], free_port()).into())
+            .collect();
+        let mut advertised = Vec::new();
         for i in 0..opts.replicas {
+            let advertise = match &opts.advertise {
+                Advertise::Listen => None,
+                Advertise::Unspecified => Some(format!("0.0.0.0:{}", listens[i].port())),
+                Advertise::Localhost => Some(format!("localhost:{}", listens[i].port())),
+                Advertise::Proxy(to) => {
+                    let p = FaultProxy::start(listens[to[i]]).unwrap();
+                    let a = p.addr().to_string();
+                    advertised.push(p);
+                    Some(a)
+                }
+            };
             let mut embedded = [
                 vec!["--worker".to_string(), opts.embedded.to_string()],
                 opts.extra_args.clone(),
@@ -123,12 +158,15 @@ impl Cluster {
                 embedded.extend(["--http-listen".to_string(), addr.to_string()]);
                 replica_http.push(addr);
             }
+            if let Some(a) = advertise {
+                embedded.extend(["--advertise".to_string(), a]);
+            }
             let spec = ReplicaSpec {
                 id: format!("r{}", i + 1),
                 bin: BIN.into(),
                 etcd_endpoints: endpoints(&mut proxies),
                 cluster: "test".into(),
-                listen: ([127, 0, 0, 1], free_port()).into(),
+                listen: listens[i],
                 lease_ttl: opts.ttl,
                 dir: dir.path().join("replicas"),
                 extra_args: common(&embedded, &mut replica_metrics),
@@ -162,6 +200,7 @@ impl Cluster {
             replica_metrics,
             worker_metrics,
             replica_http,
+            advertised,
         }
     }
 
@@ -293,12 +332,22 @@ impl Cluster {
         self.replicas.iter().flat_map(|r| r.role_events()).collect()
     }
 
-    /// Every term in the role logs; fails the test if any two overlap.
+    /// When each replica process was seen to exit.
+    pub fn exits(&self) -> Vec<rolelog::Exit> {
+        self.replicas.iter().flat_map(|r| r.exits()).collect()
+    }
+
+    /// Every term in the role logs; fails the test if any two overlap (a term ends at its
+    /// process's exit at the latest) or if a revoke on evidence preceded its leader's exit.
     pub fn checked_terms(&self) -> Vec<TermInterval> {
-        let terms = rolelog::terms(&self.role_events());
+        let events = self.role_events();
+        let exits = self.exits();
+        let terms = rolelog::terms_until_exits(&events, &exits);
         if let Err(o) = rolelog::check_terms(&terms) {
             panic!("leadership intervals overlap: {o}\nall terms: {terms:#?}");
         }
+        let unproven = rolelog::unproven_revokes(&events, &exits);
+        assert!(unproven.is_empty(), "{unproven:#?}");
         terms
     }
 
@@ -679,6 +728,35 @@ pub fn worker_opts(workers: usize, worker_args: &[&str]) -> Options {
         extra_args: vec!["--cleanup-pause-after-stage".into(), "0".into()],
         ..Options::default()
     }
+}
+
+/// `Identify` on the replica at `addr`, if it answers.
+pub async fn identify_at(addr: SocketAddr) -> Option<baton::proto::Identity> {
+    use baton::proto::cluster_service_client::ClusterServiceClient;
+    let mut c = ClusterServiceClient::connect(format!("http://{addr}"))
+        .await
+        .ok()?;
+    Some(
+        c.identify(baton::proto::IdentifyRequest {})
+            .await
+            .ok()?
+            .into_inner(),
+    )
+}
+
+/// Every `leader_process_gone` (a revoke on evidence) in the role logs.
+pub fn revokes(c: &Cluster) -> Vec<RoleEvent> {
+    c.role_events()
+        .into_iter()
+        .filter(|e| e.event == "leader_process_gone")
+        .collect()
+}
+
+/// Whether replica `i` has logged that it watches the leader of `term` (fast failover).
+pub fn watching(c: &Cluster, i: usize, term: i64) -> bool {
+    c.log_of(i)
+        .lines()
+        .any(|l| l.contains("\"watching the leader\"") && l.contains(&format!("\"term\":{term},")))
 }
 
 /// Notes each execution (`<attempt> <worker>`) in `out/<id>`, runs until `out/<gate>` exists.
