@@ -59,31 +59,33 @@ pub struct FalseAlarm {
 
 pub const FALSE_ALARM_VERSION: u32 = 1;
 
-/// Ends `term` when its election key is deleted or replaced (reason `lease revoked`); then, if
-/// `fast-failover/last` names this term, records the false alarm. Runs in the term's tracker and
-/// returns when the term ends for any reason.
+/// Ends `term` when its election key is deleted or replaced (reason `lease revoked`). Runs in
+/// the term's tracker until the term ends, for whatever reason (a fenced write or the lease
+/// keeper may notice the loss first); then, if `fast-failover/last` names this term, a follower
+/// revoked this live process, and it records the false alarm.
 pub async fn watch_own_key(term: Term, keys: Keys) {
     let store = term.store().clone();
     let mut retry = policies::RESYNC.backoff();
     loop {
         tokio::select! {
             gone = deleted(&store, &term) => match gone {
-                Ok(()) => break,
+                Ok(()) => {
+                    term.end("lease revoked");
+                    break;
+                }
                 Err(e) => {
                     tracing::debug!(term = term.revision(), error = %e, "watch on the own election key failed; watching again");
                     let delay = retry.next_delay();
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => continue,
-                        _ = term.ended() => return,
+                        _ = term.ended() => break,
                     }
                 }
             },
-            _ = term.ended() => return,
+            _ = term.ended() => break,
         }
     }
-    if term.end("lease revoked") {
-        record_false_alarm(&store, &keys, &term).await;
-    }
+    record_false_alarm(&store, &keys, &term).await;
 }
 
 /// Resolves once the term's key is gone or holds another term; `Err` when the watch failed.
@@ -143,13 +145,12 @@ async fn record_false_alarm(store: &Store, keys: &Keys, term: &Term) {
         Ok(r) => r.kvs().first().and_then(|kv| {
             codec::decode::<LastRevoke>(kv.key(), kv.value(), LAST_REVOKE_VERSION).ok()
         }),
-        Err(_) => None,
+        Err(e) => {
+            tracing::warn!(term = term.revision(), error = %e, "cannot tell whether a revoke on evidence ended this term");
+            None
+        }
     };
     let Some(last) = last.filter(|l| l.term == term.revision()) else {
-        tracing::warn!(
-            term = term.revision(),
-            "the election key was deleted while this replica led (not by a revoke on evidence)"
-        );
         return;
     };
     let alarm = FalseAlarm {

@@ -62,21 +62,31 @@ pub async fn revoke(
         .when_created(watched.key.clone(), watched.term)
         .when_leased(watched.key.clone(), watched.lease)
         .put_leased(keys.fast_failover_last(), codec::encode(&record), own.id())
-        .or_get(keys.fast_failover_false_alarm());
+        .or_get(keys.fast_failover_false_alarm())
+        .or_get(keys.fast_failover_last());
     let resp = store
         .timed("claim fast-failover revoke", c.txn(write.into_txn()))
         .await?;
     if !resp.succeeded() {
         let _ = c.lease_revoke(own.id()).await;
-        let alarm = resp
-            .op_responses()
-            .into_iter()
-            .find_map(|r| match r {
-                etcd_client::TxnOpResponse::Get(g) => g.kvs().first().cloned(),
-                _ => None,
-            })
+        let mut got = resp.op_responses().into_iter().map(|r| match r {
+            etcd_client::TxnOpResponse::Get(g) => g.kvs().first().cloned(),
+            _ => None,
+        });
+        let alarm = got
+            .next()
+            .flatten()
             .map(|kv| codec::decode::<FalseAlarm>(kv.key(), kv.value(), FALSE_ALARM_VERSION));
+        let claimed = got.next().flatten().and_then(|kv| {
+            codec::decode::<LastRevoke>(kv.key(), kv.value(), LAST_REVOKE_VERSION).ok()
+        });
         return Ok(match alarm {
+            None if claimed.is_some_and(|l| (l.term, l.lease) == (watched.term, watched.lease)) => {
+                // Another follower claimed this very death; it may have crashed or timed out
+                // before its revoke, and revoking the same dead lease again is harmless.
+                revoke_lease(store, watched.lease).await?;
+                Outcome::NotNeeded
+            }
             Some(a) => {
                 metrics::get().fast_failover_held_back.inc();
                 tracing::warn!(
@@ -91,20 +101,7 @@ pub async fn revoke(
             None => Outcome::NotNeeded,
         });
     }
-    store
-        .timed(
-            "revoke the dead leader's lease",
-            c.lease_revoke(watched.lease),
-        )
-        .await
-        .map(|_| ())
-        .or_else(|e| {
-            if e.is_lease_not_found() {
-                Ok(())
-            } else {
-                Err(e)
-            }
-        })?;
+    revoke_lease(store, watched.lease).await?;
     metrics::get().fast_failover_revokes.inc();
     rolelog::leader_process_gone(
         &config.replica_id,
@@ -117,4 +114,20 @@ pub async fn revoke(
         pid,
     );
     Ok(Outcome::Revoked)
+}
+
+/// Revokes the dead leader's lease; one already gone is no error.
+async fn revoke_lease(store: &Store, lease: i64) -> Result<(), crate::store::Error> {
+    let mut c = store.client();
+    store
+        .timed("revoke the dead leader's lease", c.lease_revoke(lease))
+        .await
+        .map(|_| ())
+        .or_else(|e| {
+            if e.is_lease_not_found() {
+                Ok(())
+            } else {
+                Err(e)
+            }
+        })
 }

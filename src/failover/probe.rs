@@ -43,7 +43,10 @@ pub enum Finding {
     Inconclusive(&'static str),
 }
 
-/// Looks for evidence within `bound` of the stream's end. A connection that was taken and then
+/// Looks for evidence within `bound` of the stream's end. A refused connection is taken to mean
+/// that nothing listens there; a host firewall's REJECT rule, kube-proxy in front of a NotReady
+/// pod or an overflowing accept queue with `tcp_abort_on_overflow` can also refuse for a live
+/// process, which is why a revoked live leader records a false alarm. A connection that was taken and then
 /// dropped unanswered is what a dying process does while it closes its sockets one by one (the
 /// listener may go after the stream), so that finding is probed again until the bound.
 pub async fn probe(peer: &ClientSecurity, watched: &Watched, bound: Duration) -> Finding {
@@ -76,8 +79,13 @@ async fn once(peer: &ClientSecurity, watched: &Watched, deadline: Instant) -> Fi
         Ok(Ok(_)) => {}
     }
     let left = deadline.saturating_duration_since(Instant::now());
+    // Identify is open: no credential goes to a socket whose owner may be another process now.
+    let anonymous = ClientSecurity {
+        tls: peer.tls.clone(),
+        bearer: Default::default(),
+    };
     let asked = async {
-        let ch = peer
+        let ch = anonymous
             .connect_exact(&watched.target.host, addr, left)
             .await
             .map_err(|_| "transport")?;

@@ -96,7 +96,10 @@ impl ClientSecurity {
         let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
             .map_err(|e| format!("invalid endpoint {addr}: {e}"))?
             .connect_timeout(timeout)
-            .tcp_nodelay(true);
+            .tcp_nodelay(true)
+            // A long-held stream silently dropped on the way (NAT, conntrack) is noticed.
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(5));
         if let Some(tls) = &self.tls {
             ep = ep
                 .tls_config(tls.clone().domain_name(host))

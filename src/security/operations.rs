@@ -166,6 +166,15 @@ pub const OPERATIONS: &[Operation] = &[
     ),
     // What coordinators call on workers.
     op(Some("/baton.v1.WorkerService/ReadLog"), None, ADMIN),
+    // Fast failover. Identify is open: a follower probing a socket whose process may be gone
+    // sends no credential to whoever holds it now (the answer carries nothing secret). The
+    // stream to the leader is a peer call.
+    op(
+        Some("/baton.v1.ClusterService/Identify"),
+        None,
+        Access::Open,
+    ),
+    op(Some("/baton.v1.ClusterService/WatchLeader"), None, ADMIN),
     // Open: the API's description and the console's files (the page asks for a token).
     op(None, Some(("GET", "/api/v1/openapi.json")), Access::Open),
     op(None, Some(("GET", "/")), Access::Open),

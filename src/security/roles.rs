@@ -110,6 +110,11 @@ mod tests {
             Some(Role::Admin)
         );
         assert_eq!(required("/baton.v1.JobService/Unknown"), Some(Role::Admin));
+        assert_eq!(required("/baton.v1.ClusterService/Identify"), None);
+        assert_eq!(
+            required("/baton.v1.ClusterService/WatchLeader"),
+            Some(Role::Admin)
+        );
         assert_eq!(
             required("/baton.v1.ScheduleService/GetSchedule"),
             Some(Role::Read)
