@@ -627,6 +627,13 @@ impl Actor {
             if self.assigned.contains_key(&first.1) {
                 continue;
             }
+            // A look at it is in flight: it stays queued, and the fill after that look settles
+            // offers it the slot. Turned into a recheck it would come back unqueued, held back
+            // by its own place in the queue, and never get a pick (a livelock of looks).
+            if self.inflight.contains(&first.1) {
+                passed.push(first);
+                continue;
+            }
             if let Some(sel) = self.selectors.get(&first.1) {
                 if blocked.contains(sel) || !self.free_slot_for(sel) {
                     if !blocked.contains(sel) {
