@@ -184,7 +184,8 @@ fn event(c: &BenchCluster, ev: &str, term: i64) -> Option<u64> {
         .map(|e| e.boottime_ns)
 }
 
-/// Submits a long job only replica `id`'s embedded worker may run, and waits until it runs.
+/// Submits a long job only replica `id`'s embedded worker may run, and waits until it has
+/// started there (assigned is not enough: a worker killed before its start runs nothing).
 async fn pin_job(c: &BenchCluster, job: &str, id: &str) -> anyhow::Result<()> {
     let mut jobs = c.jobs_client(0).await?;
     jobs.submit_job(SubmitJobRequest {
@@ -206,7 +207,7 @@ async fn pin_job(c: &BenchCluster, job: &str, id: &str) -> anyhow::Result<()> {
             })
             .await?
             .into_inner();
-        if j.state == JobState::Running as i32 && j.worker == id {
+        if started(&j, 1) && j.worker == id {
             return Ok(());
         }
         anyhow::ensure!(Instant::now() < deadline, "job {job} never ran on {id}");
@@ -255,8 +256,15 @@ async fn ran_again(
         else {
             continue;
         };
-        let j = j.into_inner();
-        return (j.state == JobState::Running as i32 && j.attempts >= 2).then_some(jobs);
+        return started(&j.into_inner(), 2).then_some(jobs);
     }
     None
+}
+
+/// Whether an execution of attempt `attempt` or later has started and runs.
+fn started(j: &crate::proto::Job, attempt: u32) -> bool {
+    j.state == JobState::Running as i32
+        && j.history
+            .iter()
+            .any(|a| a.attempt >= attempt && a.state == "started")
 }
