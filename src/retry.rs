@@ -141,11 +141,6 @@ impl Backoff {
         self.failures = 0;
     }
 
-    /// Delays handed out since the last reset.
-    pub fn failures(&self) -> u32 {
-        self.failures
-    }
-
     /// Counts a failure and sleeps its pause.
     pub async fn pause(&mut self) {
         tokio::time::sleep(self.next_delay()).await;

@@ -234,10 +234,9 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
     Ok(())
 }
 
-/// What both `serve` and `worker` need before they start: etcd reached, the scratch folder,
-/// the guard binary, the listener.
 /// Starts the follower's side of fast failover, unless it is off or this replica's advertise
-/// address gives followers no one socket to test (then it is off, with a warning).
+/// address gives followers no one socket to test (then it is off, with a warning). A name that
+/// does not resolve yet (DNS not propagated at start) does not turn it off.
 async fn fast_failover(
     args: &ServeArgs,
     replica_id: &str,
@@ -251,9 +250,15 @@ async fn fast_failover(
         tracing::info!("fast failover is off (--fast-failover false): a dead leader is replaced when its lease expires");
         return;
     }
-    if let Err(e) = crate::failover::target::resolve(&args.advertise()).await {
-        tracing::warn!(error = %e, "fast failover is off: set --advertise to one specific address to have a dead leader replaced in milliseconds");
-        return;
+    match crate::failover::target::resolve(&args.advertise()).await {
+        Ok(_) => {}
+        Err(e @ crate::failover::target::NotSpecific::Unresolved(..)) => {
+            tracing::warn!(error = %e, "the advertise address does not resolve yet; other replicas cannot watch this one until it does");
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "fast failover is off: set --advertise to one specific address to have a dead leader replaced in milliseconds");
+            return;
+        }
     }
     let config = crate::failover::Config {
         replica_id: replica_id.to_string(),
@@ -269,6 +274,8 @@ async fn fast_failover(
     ));
 }
 
+/// What both `serve` and `worker` need before they start: etcd reached, the scratch folder,
+/// the guard binary, the listener.
 struct Opened {
     keys: Keys,
     store: Store,

@@ -138,15 +138,20 @@ fn ended(how: &str) -> crate::store::Error {
 /// [`FALSE_ALARM_HOLD`]. Best effort: etcd may be what failed.
 async fn record_false_alarm(store: &Store, keys: &Keys, term: &Term) {
     let mut c = store.client();
-    let last = match store
-        .timed("read last revoke", c.get(keys.fast_failover_last(), None))
-        .await
-    {
+    // Bounded by the margin: the hand-over waits for this task before it resigns.
+    let read = tokio::time::timeout(
+        term.margin(),
+        store.timed("read last revoke", c.get(keys.fast_failover_last(), None)),
+    );
+    let last = match read.await.unwrap_or(Err(crate::store::Error::Timeout {
+        op: "read last revoke",
+        timeout: term.margin(),
+    })) {
         Ok(r) => r.kvs().first().and_then(|kv| {
             codec::decode::<LastRevoke>(kv.key(), kv.value(), LAST_REVOKE_VERSION).ok()
         }),
         Err(e) => {
-            tracing::warn!(term = term.revision(), error = %e, "cannot tell whether a revoke on evidence ended this term");
+            tracing::debug!(term = term.revision(), error = %e, "cannot tell whether a revoke on evidence ended this term");
             None
         }
     };

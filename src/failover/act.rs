@@ -42,7 +42,7 @@ pub async fn revoke(
     let own = store
         .timed(
             "grant fast-failover lease",
-            c.lease_grant(config.ttl.as_secs().max(1) as i64, None),
+            c.lease_grant(config.ttl.as_secs_f64().ceil().max(1.0) as i64, None),
         )
         .await?;
     let record = LastRevoke {
@@ -82,10 +82,16 @@ pub async fn revoke(
         });
         return Ok(match alarm {
             None if claimed.is_some_and(|l| (l.term, l.lease) == (watched.term, watched.lease)) => {
-                // Another follower claimed this very death; it may have crashed or timed out
-                // before its revoke, and revoking the same dead lease again is harmless.
+                // Another follower claimed this very death. Its revoke follows within a round
+                // trip; if the key still holds the lease a while later, that follower crashed
+                // or timed out, and revoking the same dead lease is harmless.
+                tokio::time::sleep(super::PROBE_BOUND).await;
+                if !still_holds(store, watched).await? {
+                    return Ok(Outcome::NotNeeded);
+                }
                 revoke_lease(store, watched.lease).await?;
-                Outcome::NotNeeded
+                gone(config, watched, evidence);
+                Outcome::Revoked
             }
             Some(a) => {
                 metrics::get().fast_failover_held_back.inc();
@@ -102,6 +108,12 @@ pub async fn revoke(
         });
     }
     revoke_lease(store, watched.lease).await?;
+    gone(config, watched, evidence);
+    Ok(Outcome::Revoked)
+}
+
+/// Counts and logs a revoke on evidence (after it was made).
+fn gone(config: &Config, watched: &Watched, evidence: &Evidence) {
     metrics::get().fast_failover_revokes.inc();
     rolelog::leader_process_gone(
         &config.replica_id,
@@ -110,10 +122,21 @@ pub async fn revoke(
         watched.lease,
         BootInstant::now(),
         evidence.name(),
-        incarnation,
-        pid,
+        &watched.incarnation,
+        watched.pid,
     );
-    Ok(Outcome::Revoked)
+}
+
+/// Whether the election key still has the watched term's create revision and lease.
+async fn still_holds(store: &Store, watched: &Watched) -> Result<bool, crate::store::Error> {
+    let mut c = store.client();
+    let resp = store
+        .timed("read the election key", c.get(watched.key.clone(), None))
+        .await?;
+    Ok(resp
+        .kvs()
+        .first()
+        .is_some_and(|kv| (kv.create_revision(), kv.lease()) == (watched.term, watched.lease)))
 }
 
 /// Revokes the dead leader's lease; one already gone is no error.

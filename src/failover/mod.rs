@@ -85,6 +85,8 @@ pub async fn run(
 ) {
     let mut retry = policies::LEADER_WATCH.backoff();
     let mut noted = 0;
+    // Failed opens in a row for one term: a few are a leader still confirming its win.
+    let mut refused = (0, 0);
     while !stop.is_cancelled() {
         if role.borrow().term().is_some() {
             tokio::select! {
@@ -118,7 +120,12 @@ pub async fn run(
             Err(why) => {
                 // A leader between its win and its confirmation answers term 0 for a moment;
                 // one that keeps refusing (TLS names, roles, an older release) is worth a look.
-                if retry.failures() == 5 {
+                refused = if refused.0 == term {
+                    (term, refused.1 + 1)
+                } else {
+                    (term, 1)
+                };
+                if refused.1 == 5 {
                     inconclusive("no_stream");
                     tracing::warn!(term, %why, "no stream to the leader can be held: fast failover cannot watch it, its lease will expire as usual");
                 }
@@ -128,6 +135,7 @@ pub async fn run(
             }
         };
         retry.reset();
+        refused = (0, 0);
         tracing::info!(term = watched.term, leader = %watched.replica_id, incarnation = %watched.incarnation, "watching the leader");
         if let Held::Moved = hold(&store, &keys, &config, &watched, stream, &mut role, &stop).await
         {
