@@ -290,9 +290,10 @@ async fn a_cancel_followed_by_a_leader_kill_is_never_restarted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn submissions_succeed_while_there_is_no_leader_and_run_later() {
+    // Without fast failover, so the dead leader's lease holds the election for its TTL.
     let mut c = Cluster::start(Options {
         ttl: Duration::from_secs(5),
-        ..opts(&[])
+        ..opts(&["--fast-failover", "false"])
     });
     let (k, old) = c.leader_index().await;
     c.replicas[k].sigkill();
