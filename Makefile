@@ -22,7 +22,7 @@ deps:
 	@./scripts/install-deps
 
 build: deps
-	$(CARGO) build --bin baton
+	$(CARGO) build --bin baton --bin baton-guard
 
 run: build
 	./target/debug/baton dev
@@ -43,11 +43,12 @@ $(VENV)/.installed: tests/tools/requirements.txt
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r tests/tools/requirements.txt
 	touch $@
 
-# The image check (tests/deploy.rs) starts the release binary, as the image ships it; it is found
-# where cargo puts it, $CARGO_TARGET_DIR included.
+# The image check (tests/deploy.rs) starts the release binaries (baton and, next to it,
+# baton-guard), as the image ships them; they are found where cargo puts them,
+# $CARGO_TARGET_DIR included.
 TARGET_DIR ?= $(if $(CARGO_TARGET_DIR),$(CARGO_TARGET_DIR),target)
 test: lint pydeps
-	$(CARGO) build --release --bin baton
+	$(CARGO) build --release --bin baton --bin baton-guard
 	BATON_TEST_PYTHON=$(abspath $(VENV))/bin/python \
 	BATON_TEST_RELEASE_BIN=$(abspath $(TARGET_DIR)/release/baton) \
 	$(CARGO) test -- --test-threads=$(TEST_THREADS)

@@ -331,7 +331,7 @@ function workersTable() {
       h("td", {}, w.worker_id),
       h("td", {}, `${w.running}/${w.capacity}`),
       h("td", {}, `${w.cleanups}/${w.cleanup_capacity}`),
-      h("td", { class: "draining" }, w.drain_requested ? "drain requested" : w.draining ? "draining" : ""),
+      h("td", { class: "draining" }, w.unable ? "unable: " + w.unable : w.drain_requested ? "drain requested" : w.draining ? "draining" : ""),
       h("td", {}, sorted(w.labels).map(([k, v]) => `${k}=${v}`).join(", ")),
       h(
         "td",

@@ -5,11 +5,12 @@ use clap::Parser;
 use baton::config::{Cli, Command, JobCommand, LeaderCommand, ScheduleCommand, WorkerCommand};
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    // The guard is a small synchronous process: no runtime, no logging setup.
-    if let Command::Guard(args) = cli.command {
-        return ExitCode::from(baton::exec::guard::run(args) as u8);
+    // The legacy guard (`--guard legacy`): the guard's code run by the whole binary, before
+    // any argument parsing, runtime or logging.
+    if std::env::args_os().nth(1).is_some_and(|a| a == "__guard") {
+        return ExitCode::from(baton_guard::main(std::env::args_os().skip(2)) as u8);
     }
+    let cli = Cli::parse();
     let role_log = match &cli.command {
         Command::Serve(s) => s.role_log.clone(),
         _ => None,
@@ -71,7 +72,6 @@ fn main() -> ExitCode {
                 Ok(())
             }
             Command::Bench(args) => baton::bench::run(*args).await,
-            Command::Guard(_) => unreachable!("handled above"),
         }
     });
     match result {

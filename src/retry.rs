@@ -163,6 +163,10 @@ pub mod policies {
     /// unanswered (a process closing its sockets as it dies): again soon, within the bound.
     pub const PROBE_AGAIN: Policy =
         Policy::doubling(Duration::from_millis(10), Duration::from_millis(100));
+    /// A worker that cannot start guards trying a spawn again (it takes no assignments
+    /// meanwhile).
+    pub const GUARD_PROBE: Policy =
+        Policy::doubling(Duration::from_millis(500), Duration::from_secs(10));
     /// The CLI's rounds over the endpoints it was given.
     pub const CLIENT_ROUNDS: Policy =
         Policy::doubling(Duration::from_millis(100), Duration::from_secs(1));
@@ -302,6 +306,13 @@ mod tests {
         assert_eq!(
             policies::PROBE_AGAIN.delay_with(5, 0.5),
             Some(Duration::from_millis(100))
+        );
+        let g = policies::GUARD_PROBE;
+        assert_eq!(
+            (1..=7)
+                .map(|n| g.delay_with(n, 0.5).unwrap())
+                .collect::<Vec<_>>(),
+            [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0].map(s)
         );
         let u = policies::CLEANUP_UNRUN;
         assert_eq!(

@@ -6,6 +6,7 @@
 //! and revokes its lease, then the API drains, then the process
 //! exits 0. The next replica takes over as soon as the resign lands, not a TTL later.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
@@ -17,6 +18,7 @@ use crate::config::{ConfigError, ServeArgs};
 use crate::config::{EtcdArgs, RunArgs, WorkerArgs};
 use crate::coordinator::{self, CleanupConfig, CoordinatorConfig};
 use crate::election::{self, ElectionConfig, Role};
+use crate::exec::program::GuardProgram;
 use crate::exec::spawner::GuardSettings;
 use crate::security::Security;
 use crate::store::{self, Keys, Store};
@@ -44,8 +46,12 @@ pub enum Error {
     Crashed(String),
     #[error("security settings: {0}")]
     Security(String),
-    #[error("cannot find the baton binary to run job guards")]
+    #[error("cannot find the guard binary next to baton")]
     GuardBinary(#[source] std::io::Error),
+    #[error(transparent)]
+    GuardProgram(#[from] crate::exec::program::ProgramError),
+    #[error(transparent)]
+    Descriptors(#[from] crate::worker::descriptors::TooFew),
 }
 
 pub async fn run(args: ServeArgs) -> Result<(), Error> {
@@ -280,7 +286,7 @@ struct Opened {
     keys: Keys,
     store: Store,
     storage_dir: std::path::PathBuf,
-    guard_bin: std::path::PathBuf,
+    guard_bin: Arc<GuardProgram>,
     listener: TcpListener,
 }
 
@@ -290,13 +296,16 @@ async fn open(
     run: &RunArgs,
     listen: std::net::SocketAddr,
 ) -> Result<Opened, Error> {
+    // A worker that could not run its jobs says so before it reaches for etcd.
+    let nofile = worker::descriptors::hold(run.max_running, run.max_cleanups)?;
+    tracing::debug!(nofile, "descriptor limit");
+    let guard_bin = guard_program(run).await?;
     let keys = Keys::new(cluster);
     let store = Store::connect(etcd.etcd_config()?).await?;
     store
         .wait_reachable(keys.prefix(), etcd.startup_timeout)
         .await?;
     let storage_dir = storage_dir(run)?;
-    let guard_bin = std::env::current_exe().map_err(Error::GuardBinary)?;
     let listener = TcpListener::bind(listen)
         .await
         .map_err(|source| Error::Listen {
@@ -358,9 +367,23 @@ fn worker_config(
     }
 }
 
-fn guard_settings(run: &RunArgs, guard_bin: std::path::PathBuf, margin: Duration) -> GuardSettings {
+/// Opens and checks the guard program `run` names (see [`GuardProgram`]).
+async fn guard_program(run: &RunArgs) -> Result<Arc<GuardProgram>, Error> {
+    let path = match &run.guard_bin {
+        Some(p) => p.clone(),
+        None => GuardProgram::default_path(run.guard).map_err(Error::GuardBinary)?,
+    };
+    let kind = run.guard;
+    let program = tokio::task::spawn_blocking(move || GuardProgram::open(&path, kind))
+        .await
+        .map_err(|e| Error::Crashed(e.to_string()))??;
+    tracing::info!(guard = %program.path().display(), kind = ?program.kind(), "guard program checked");
+    Ok(Arc::new(program))
+}
+
+fn guard_settings(run: &RunArgs, program: Arc<GuardProgram>, margin: Duration) -> GuardSettings {
     GuardSettings {
-        guard_bin,
+        program,
         margin,
         kill_grace: run.kill_grace,
         nice: run.job_nice,

@@ -566,13 +566,19 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
     std::fs::create_dir(&bin_dir).unwrap();
     let bin = bin_dir.join("baton");
     let source = std::env::var("BATON_TEST_RELEASE_BIN").unwrap_or_else(|_| BIN.to_string());
-    println!("image binary: {source}");
-    std::fs::copy(&source, &bin)
-        .unwrap_or_else(|e| panic!("copying the image binary {source}: {e}"));
+    // The guard the worker starts for every job, next to `baton` as in the image.
+    let guard_source = Path::new(&source).with_file_name("baton-guard");
+    let guard = bin_dir.join("baton-guard");
+    println!("image binaries: {source}, {}", guard_source.display());
+    for (from, to) in [(Path::new(&source), &bin), (guard_source.as_path(), &guard)] {
+        std::fs::copy(from, to)
+            .unwrap_or_else(|e| panic!("copying the image binary {}: {e}", from.display()));
+    }
     for (p, mode) in [
         (tmp.path(), 0o755),
         (bin_dir.as_path(), 0o755),
         (bin.as_path(), 0o755),
+        (guard.as_path(), 0o755),
     ] {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
     }

@@ -1,6 +1,8 @@
-//! The lease guard on its own (`baton __guard`): it never starts a job whose first deadline has
-//! passed, kills the job's whole process group at the deadline without a renewal or as soon as
-//! its pipe closes, enforces the attempt timeout, and records every execution.
+//! The lease guard on its own (`baton-guard`, the small program): it never starts a job whose
+//! first deadline has passed, kills the job's whole process group at the deadline without a
+//! renewal or as soon as its pipe closes, enforces the attempt timeout, records every
+//! execution, is the job's direct parent, takes its job with it when it is killed, and tells a
+//! command that cannot start from one that exits 127.
 
 mod support;
 
@@ -10,30 +12,43 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use baton::clock::BootInstant;
-use baton::exec::guard::NOT_STARTED;
-use baton::exec::record::{read_exit, KilledBy};
-use support::{alive, read_pids, wait_until, BIN};
+use baton::exec::guard::{Spec, NOT_STARTED, PROTOCOL};
+use baton::exec::record::{read_exit, KilledBy, LedgerEntry};
+use support::{alive, read_pids, wait_until, GUARD_BIN};
 
-fn guard(dir: &Path, timeout: &str, script: &str) -> Child {
-    Command::new(BIN)
-        .args(["__guard", "--job-id", "g", "--attempt", "1", "--term", "7"])
-        .arg("--dir")
-        .arg(dir)
-        .args([
-            "--name",
-            "attempt-1",
-            "--margin",
-            "200ms",
-            "--timeout",
-            timeout,
-            "--kill-grace",
-            "1s",
-        ])
-        .args(["--", "sh", "-c", script])
-        .env("BATON_JOB_DIR", dir)
+fn spec(dir: &Path, timeout_ms: u64, command: &[&str]) -> Spec {
+    Spec {
+        protocol: PROTOCOL,
+        job_id: "g".into(),
+        attempt: 1,
+        term: 7,
+        dir: dir.to_path_buf(),
+        name: "attempt-1".into(),
+        margin_ms: 200,
+        timeout_ms,
+        kill_grace_ms: 1000,
+        go_within_ms: 5000,
+        ledger: None,
+        nice: 0,
+        parent_pid: None,
+        unsafe_ignore_deadlines: false,
+        command: command.iter().map(|s| s.to_string()).collect(),
+    }
+}
+
+fn start(spec: &Spec) -> Child {
+    Command::new(GUARD_BIN)
+        .arg("run")
+        .arg(serde_json::to_string(spec).unwrap())
+        .env("BATON_JOB_DIR", &spec.dir)
         .stdin(Stdio::piped())
         .spawn()
         .unwrap()
+}
+
+fn guard(dir: &Path, timeout: &str, script: &str) -> Child {
+    let ms = humantime::parse_duration(timeout).unwrap().as_millis() as u64;
+    start(&spec(dir, ms, &["sh", "-c", script]))
 }
 
 fn feed(child: &mut Child, deadline: BootInstant) {
@@ -193,4 +208,166 @@ async fn a_guard_whose_spawning_thread_dies_kills_its_job() {
         Some(KilledBy::LeaderGone)
     );
     all_die(&pids_file).await;
+}
+
+/// `(ppid, nice)` of a process, from `/proc/<pid>/stat`.
+fn parent_and_nice(pid: i32) -> (i32, i64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = stat.rsplit_once(')').unwrap().1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    (f[1].parse().unwrap(), f[16].parse().unwrap())
+}
+
+async fn job_pid(dir: &Path) -> i32 {
+    let file = dir.join("pids");
+    wait_until("the job to start", Duration::from_secs(10), || {
+        !read_pids(&file).is_empty()
+    })
+    .await;
+    read_pids(&file)[0]
+}
+
+#[tokio::test]
+async fn the_job_runs_niced_as_the_direct_child_of_the_small_guard() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        nice: 10,
+        ..spec(
+            dir.path(),
+            60_000,
+            &["sh", "-c", "echo $$ > $BATON_JOB_DIR/pids; exec sleep 60"],
+        )
+    };
+    let mut g = start(&spec);
+    feed(&mut g, BootInstant::now() + Duration::from_secs(60));
+    let job = job_pid(dir.path()).await;
+    let guard = g.id() as i32;
+    let (parent, job_nice) = parent_and_nice(job);
+    assert_eq!(parent, guard, "the job's parent is its guard");
+    let exe = std::fs::read_link(format!("/proc/{guard}/exe")).unwrap();
+    assert_eq!(exe.file_name().unwrap(), "baton-guard", "{exe:?}");
+    let comm = std::fs::read_to_string(format!("/proc/{guard}/comm")).unwrap();
+    assert_eq!(comm.trim(), "baton-guard");
+    let (_, own_nice) = parent_and_nice(std::process::id() as i32);
+    let (_, guard_nice) = parent_and_nice(guard);
+    assert_eq!(
+        guard_nice, own_nice,
+        "the guard keeps its parent's priority"
+    );
+    assert_eq!(job_nice, 10.max(own_nice), "the job is niced");
+    drop(g.stdin.take());
+    assert_eq!(wait_exit(&mut g), 0);
+}
+
+#[tokio::test]
+async fn a_sigkilled_guard_takes_its_job_within_100_ms() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut g = guard(
+        dir.path(),
+        "60s",
+        "echo $$ > $BATON_JOB_DIR/pids; exec sleep 60",
+    );
+    feed(&mut g, BootInstant::now() + Duration::from_secs(60));
+    let job = job_pid(dir.path()).await;
+    let job_fd = baton_guard::pidfd_open(job as u32).unwrap();
+    g.kill().unwrap();
+    g.wait().unwrap();
+    // The guard's death is seen; its job must follow at once (its parent-death SIGKILL), not
+    // at some later check.
+    let dead = Instant::now();
+    let mut fds = [nix::poll::PollFd::new(
+        std::os::fd::AsFd::as_fd(&job_fd),
+        nix::poll::PollFlags::POLLIN,
+    )];
+    let ready = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u8)).unwrap();
+    assert_eq!(
+        ready,
+        1,
+        "the job outlived its SIGKILLed guard by {:?}",
+        dead.elapsed()
+    );
+    wait_until("the job to be gone", Duration::from_secs(5), || !alive(job)).await;
+}
+
+#[test]
+fn a_command_that_cannot_start_is_a_start_error_not_an_exit_127() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut g = start(&spec(dir.path(), 10_000, &["/nonexistent/program", "x"]));
+    feed(&mut g, BootInstant::now() + Duration::from_secs(30));
+    assert_eq!(wait_exit(&mut g), 0);
+    let rec = read_exit(dir.path(), "attempt-1").unwrap();
+    let err = rec.start_error.expect("a start error");
+    assert_eq!(err.errno, Some(2), "{err:?}");
+    assert!(err.message.contains("/nonexistent/program"), "{err:?}");
+    assert_eq!((rec.exit_code, rec.signal), (None, None));
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut g = guard(dir.path(), "10s", "exit 127");
+    feed(&mut g, BootInstant::now() + Duration::from_secs(30));
+    assert_eq!(wait_exit(&mut g), 0);
+    let rec = read_exit(dir.path(), "attempt-1").unwrap();
+    assert_eq!((rec.exit_code, rec.start_error), (Some(127), None));
+}
+
+#[test]
+fn every_execution_leaves_a_start_and_an_end_line_in_the_ledger() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = dir.path().join("ledger.jsonl");
+    let spec = Spec {
+        ledger: Some(ledger.clone()),
+        ..spec(
+            dir.path(),
+            10_000,
+            &["sh", "-c", "echo $$ > $BATON_JOB_DIR/pids; exit 3"],
+        )
+    };
+    let mut g = start(&spec);
+    feed(&mut g, BootInstant::now() + Duration::from_secs(30));
+    assert_eq!(wait_exit(&mut g), 0);
+    let job = read_pids(&dir.path().join("pids"))[0];
+    let lines: Vec<LedgerEntry> = std::fs::read_to_string(&ledger)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let events: Vec<(&str, i32, &str, i64)> = lines
+        .iter()
+        .map(|e| (e.event.as_str(), e.pid, e.job_id.as_str(), e.term))
+        .collect();
+    assert_eq!(events, [("start", job, "g", 7), ("end", job, "g", 7)]);
+    assert!(lines[0].boottime_ns <= lines[1].boottime_ns);
+    assert_eq!(lines[1].exit.as_ref().unwrap().exit_code, Some(3));
+}
+
+#[test]
+fn the_guard_answers_its_protocol_and_refuses_a_bad_spec() {
+    for (bin, pre) in [(GUARD_BIN, None), (support::BIN, Some("__guard"))] {
+        let out = Command::new(bin)
+            .args(pre)
+            .arg("protocol")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{bin}: {out:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            PROTOCOL.to_string()
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let bad = serde_json::to_string(&Spec {
+        protocol: PROTOCOL + 1,
+        ..spec(&dir.path().join("job"), 1000, &["touch", "ran"])
+    })
+    .unwrap();
+    let out = Command::new(GUARD_BIN)
+        .args(["run", &bad])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(baton::exec::guard::GUARD_FAILED));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("protocol"));
+    assert!(
+        !dir.path().join("job").exists(),
+        "a refused spec touched nothing"
+    );
 }

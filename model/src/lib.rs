@@ -598,6 +598,7 @@ impl BatonModel {
             margin_ms: ms(MARGIN),
             assign_timeout_ms: ms(TTL),
             started_at_ms: 0,
+            unable: None,
         }
     }
 
@@ -797,6 +798,7 @@ impl BatonModel {
             killed_by: None,
             log_tail: String::new(),
             reason: None,
+            start_error: None,
             at_ms: 0,
         }
     }

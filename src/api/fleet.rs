@@ -48,6 +48,7 @@ pub fn worker_proto(w: &LiveWorker, now_ms: u64) -> proto::WorkerInfo {
         started_unix_ms: r.started_at_ms as i64,
         age_ms: now_ms.saturating_sub(r.started_at_ms) as i64,
         incarnation: w.incarnation,
+        unable: r.unable.clone().unwrap_or_default(),
     }
 }
 

@@ -166,6 +166,7 @@ impl FakeWorker {
             margin_ms: 500,
             assign_timeout_ms: 10_000,
             started_at_ms: records::now_ms(),
+            unable: None,
         };
         let put = client
             .put(
@@ -318,6 +319,7 @@ async fn load_batch(
             killed_by: None,
             log_tail: String::new(),
             reason: None,
+            start_error: None,
             at_ms: now,
         };
         w = w.put(keys.attempt(id, token), codec::encode(&started));

@@ -21,6 +21,7 @@ pub fn worker_json(w: &WorkerInfo) -> serde_json::Value {
         "started_unix_ms": w.started_unix_ms,
         "age_ms": w.age_ms,
         "incarnation": w.incarnation,
+        "unable": w.unable,
     })
 }
 
@@ -35,6 +36,9 @@ fn labels(w: &WorkerInfo) -> String {
 }
 
 fn status(w: &WorkerInfo) -> &'static str {
+    if !w.unable.is_empty() {
+        return "unable";
+    }
     match (w.draining, w.drain_requested) {
         (true, true) => "drained",
         (true, false) => "draining",
@@ -84,6 +88,9 @@ pub async fn list(c: &ClientArgs) -> anyhow::Result<()> {
                     age(w.age_ms),
                     labels(w)
                 );
+            }
+            for w in resp.workers.iter().filter(|w| !w.unable.is_empty()) {
+                println!("{} takes no assignments: {}", w.worker_id, w.unable);
             }
         }
     }

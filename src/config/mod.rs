@@ -76,9 +76,6 @@ pub enum Command {
     /// Measure Baton against raw etcd on a private cluster: submissions, end-to-end jobs,
     /// recovery, failover, footprint.
     Bench(Box<BenchArgs>),
-    /// The lease guard that runs each job (started by the leader, not by hand).
-    #[command(name = "__guard", hide = true)]
-    Guard(crate::exec::guard::GuardArgs),
 }
 
 #[derive(Debug, Subcommand)]

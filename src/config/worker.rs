@@ -42,6 +42,14 @@ pub struct RunArgs {
     /// Append every job and cleanup execution (start and end, from the guards) to this file.
     #[arg(long, env = "BATON_EXECUTION_LEDGER")]
     pub execution_ledger: Option<PathBuf>,
+    /// The lease guard program (default: `baton-guard` next to `baton`). Opened at start and
+    /// checked for this release's protocol; replacing the file takes effect at the next start.
+    #[arg(long, env = "BATON_GUARD_BIN")]
+    pub guard_bin: Option<PathBuf>,
+    /// Which guard runs jobs: `small` (baton-guard) or `legacy` (`baton __guard`, the whole
+    /// binary; kept for `baton bench` to compare against).
+    #[arg(long, env = "BATON_GUARD", value_enum, default_value_t = crate::exec::program::GuardKind::Small, hide = true)]
+    pub guard: crate::exec::program::GuardKind,
     /// Negative control for drills: guards ignore lease deadlines. Breaks the no-overlap promise.
     #[arg(long, hide = true)]
     pub unsafe_ignore_guard_deadlines: bool,

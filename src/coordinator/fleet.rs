@@ -276,7 +276,7 @@ impl Fleet {
                     .iter()
                     .all(|(k, v)| w.record.labels.get(k) == Some(v))
             };
-            if w.record.draining || distrusted() || !fits() {
+            if !w.record.takes_work() || distrusted() || !fits() {
                 continue;
             }
             let taken = used

@@ -400,6 +400,8 @@ impl<'a> Job<'a> {
                 "attempt {attempt} timed out after {}",
                 humantime::format_duration(self.record.spec.timeout)
             )
+        } else if let Some(e) = &rec.start_error {
+            format!("attempt {attempt} could not start: {e}")
         } else if let Some(code) = rec.exit_code {
             format!("attempt {attempt} exited with code {code}")
         } else {

@@ -465,6 +465,7 @@ impl JobCtx<'_> {
                     &format!("attempt-{}", r.attempt),
                 )),
                 reason: None,
+                start_error: r.start_error.map(|e| e.message),
                 at_ms: records::now_ms(),
             };
             tracing::info!(

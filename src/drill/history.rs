@@ -40,7 +40,7 @@ pub enum Step {
     /// A line of the guards' execution ledger, placed among the revisions.
     Local {
         #[serde(flatten)]
-        entry: LedgerEntry,
+        entry: Box<LedgerEntry>,
         after_rev: i64,
         before_rev: i64,
     },
@@ -198,7 +198,7 @@ pub async fn write(
                 after_rev,
                 entry.boottime_ns,
                 Step::Local {
-                    entry,
+                    entry: Box::new(entry),
                     after_rev,
                     before_rev,
                 },

@@ -6,16 +6,8 @@
 //! it leaves an exit record and a log ([`record`]) for whoever decides what happened.
 
 pub mod guard;
+pub mod program;
 pub mod record;
 pub mod spawner;
 
-use std::os::fd::{FromRawFd, OwnedFd};
-
-/// A descriptor that becomes readable when process `pid` exits (Linux 5.3+).
-pub(crate) fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
-    let fd = unsafe { nix::libc::syscall(nix::libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
+pub(crate) use baton_guard::pidfd_open;

@@ -30,7 +30,9 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::oneshot;
 
+use super::guard::{Spec, PROTOCOL};
 use super::pidfd_open;
+use super::program::GuardProgram;
 use crate::clock::BootInstant;
 
 /// Environment variables a job inherits from its parent; everything else is dropped so that
@@ -42,8 +44,8 @@ const INHERITED: &[&str] = &[
 /// How guards are run: the same for every execution of one process.
 #[derive(Clone, Debug)]
 pub struct GuardSettings {
-    /// The `baton` binary (absolute), run as `baton __guard`.
-    pub guard_bin: PathBuf,
+    /// The guard program, opened and checked at start.
+    pub program: Arc<GuardProgram>,
     /// The guard kills its job at `deadline - margin`.
     pub margin: Duration,
     /// After a cancel's SIGTERM, the time before SIGKILL.
@@ -211,6 +213,35 @@ fn serve(rx: mpsc::Receiver<Request>) {
     }
 }
 
+/// Spawns the guard program (`protocol`) the way guards are spawned, and waits for its answer:
+/// whether guards can be started now.
+pub async fn probe(program: &GuardProgram) -> std::io::Result<()> {
+    let mut cmd = program.command(["protocol"]);
+    cmd.env_clear()
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let (reply, answer) = oneshot::channel();
+    spawner()
+        .send(Request { cmd, reply })
+        .map_err(|_| std::io::Error::other("the spawner thread is gone"))?;
+    let (child, pidfd) = answer
+        .await
+        .map_err(|_| std::io::Error::other("the spawner thread is gone"))??;
+    // SAFETY: as in `adopt`.
+    let pidfd = unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
+        .map_err(std::io::Error::from);
+    let status = reap(child, pidfd).await;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "the guard program exited with {status}"
+        )))
+    }
+}
+
 /// Starts a guard for `launch`, fed `first_deadline()` (read once the guard exists, so a slow
 /// spawn does not feed a stale deadline) before anything else. Must be called on a tokio
 /// runtime, which reaps the guard. Cancel-safe: if the caller goes away, the guard is still
@@ -300,31 +331,33 @@ async fn reap(mut child: Child, pidfd: std::io::Result<AsyncFd<OwnedFd>>) -> Exi
     }
 }
 
-fn guard_command(l: &Launch) -> Command {
+/// What the guard of `l` is told: one JSON argument.
+fn spec(l: &Launch) -> Spec {
     let g = &l.guard;
-    let mut cmd = Command::new(&g.guard_bin);
-    cmd.arg("__guard")
-        .args(["--job-id", &l.job_id])
-        .args(["--attempt", &l.attempt.to_string()])
-        .args(["--term", &l.term.to_string()])
-        .arg("--dir")
-        .arg(&l.dir)
-        .args(["--name", &l.name])
-        .args(["--margin", &format!("{}ms", g.margin.as_millis())])
-        .args(["--timeout", &format!("{}ms", l.timeout.as_millis())])
-        .args(["--kill-grace", &format!("{}ms", g.kill_grace.as_millis())])
-        .args(["--go-within", &format!("{}ms", l.go_within.as_millis())])
-        .args(["--nice", &g.nice.to_string()])
-        .args(["--parent-pid", &std::process::id().to_string()]);
-    if let Some(ledger) = &g.ledger {
-        cmd.arg("--ledger").arg(ledger);
+    let ms = |d: Duration| d.as_millis().min(u64::MAX as u128) as u64;
+    Spec {
+        protocol: PROTOCOL,
+        job_id: l.job_id.clone(),
+        attempt: l.attempt,
+        term: l.term,
+        dir: l.dir.clone(),
+        name: l.name.clone(),
+        margin_ms: ms(g.margin),
+        timeout_ms: ms(l.timeout),
+        kill_grace_ms: ms(g.kill_grace),
+        go_within_ms: ms(l.go_within),
+        ledger: g.ledger.clone(),
+        nice: g.nice,
+        parent_pid: Some(std::process::id() as i32),
+        unsafe_ignore_deadlines: g.unsafe_ignore_deadlines,
+        command: l.command.clone(),
     }
-    if g.unsafe_ignore_deadlines {
-        cmd.arg("--unsafe-ignore-deadlines");
-    }
-    cmd.arg("--")
-        .args(&l.command)
-        .env_clear()
+}
+
+fn guard_command(l: &Launch) -> Command {
+    let spec = serde_json::to_string(&spec(l)).expect("a guard spec serializes");
+    let mut cmd = l.guard.program.command(["run", spec.as_str()]);
+    cmd.env_clear()
         // Its own group: a stop or interrupt aimed at the replica's group must not freeze
         // the guards while their jobs run on.
         .process_group(0)

@@ -117,8 +117,13 @@ impl FleetView {
                 sel.unwrap_or_default()
             );
         }
-        let open: Vec<&&LiveWorker> = matching.iter().filter(|w| !w.record.draining).collect();
+        let open: Vec<&&LiveWorker> = matching.iter().filter(|w| w.record.takes_work()).collect();
         if open.is_empty() {
+            if let Some(why) = matching.iter().find_map(|w| w.record.unable.as_ref()) {
+                return format!(
+                    "unable: no live worker that can run the job takes work (one says: {why})"
+                );
+            }
             return "draining: every live worker that can run the job is draining".into();
         }
         let free: u32 = open.iter().map(|w| w.free()).sum();

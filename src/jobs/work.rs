@@ -63,6 +63,17 @@ pub struct WorkerRecord {
     /// Unix ms of registration.
     #[serde(default)]
     pub started_at_ms: u64,
+    /// Why this worker takes no assignments although it lives (it cannot start guards); the
+    /// leader assigns it nothing while set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unable: Option<String>,
+}
+
+impl WorkerRecord {
+    /// Whether the leader may assign it anything: not draining, and able to start guards.
+    pub fn takes_work(&self) -> bool {
+        !self.draining && self.unable.is_none()
+    }
 }
 
 /// What an assignment asks for.
@@ -137,5 +148,9 @@ pub struct AttemptRecord {
     pub log_tail: String,
     #[serde(default)]
     pub reason: Option<String>,
+    /// The command could not be started (the guard's message, with the errno): nothing ran,
+    /// which is not an exit code (not even 127).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_error: Option<String>,
     pub at_ms: u64,
 }

@@ -59,6 +59,8 @@ pub(super) struct Incarnation {
     pub(super) cleanups: Arc<AtomicUsize>,
     /// A drain is on: job assignments that raced the draining mark are refused, not started.
     pub(super) draining: Arc<std::sync::atomic::AtomicBool>,
+    /// Whether guards can be started (shared by the worker's incarnations).
+    pub(super) guards: Arc<super::guards::GuardHealth>,
 }
 
 /// The keys one assignment is about: its own, and the record the worker writes.
@@ -126,6 +128,7 @@ pub(super) async fn run_reported(
             killed_by: None,
             log_tail: String::new(),
             reason: Some("the worker's attempt task failed".into()),
+            start_error: None,
             at_ms: now_ms(),
         };
         report(&inc, &keys, &id, token, rec).await;
@@ -149,6 +152,7 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
         killed_by: None,
         log_tail: String::new(),
         reason: None,
+        start_error: None,
         at_ms: now_ms(),
     };
     let reject = |reason: String| AttemptRecord {
@@ -274,9 +278,17 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
         env,
         timeout: a.spec.timeout,
     };
+    if let Some(why) = inc.guards.unable() {
+        report(&inc, &keys, &id, token, reject(why)).await;
+        return;
+    }
     let mut guard = match spawner::spawn_held(launch).await {
-        Ok(g) => g,
+        Ok(g) => {
+            inc.guards.spawned();
+            g
+        }
         Err(e) => {
+            inc.guards.failed(&e);
             tracing::error!(job_id = %id, error = %e, "cannot start the guard");
             report(
                 &inc,
@@ -351,6 +363,10 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
         ..base.clone()
     };
     match rec {
+        Some(r) if r.start_error.is_some() => {
+            end.state = AttemptState::Exited;
+            end.start_error = r.start_error.map(|e| e.message);
+        }
         Some(r)
             if matches!(
                 r.killed_by,

@@ -19,6 +19,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use super::attempt::{self, Control, Incarnation};
+use super::registration::Marks;
 use super::WorkerConfig;
 use crate::election::Lease;
 use crate::jobs::work::{Assignment, ASSIGNMENT_VERSIONS_READ};
@@ -143,6 +144,7 @@ pub(super) async fn serve(
     config: &WorkerConfig,
     lease: &Lease,
     rev: i64,
+    guards: &Arc<super::guards::GuardHealth>,
     stop: &CancellationToken,
 ) -> End {
     let watchdog = lease.watchdog(config.lease_ttl / 2);
@@ -159,6 +161,7 @@ pub(super) async fn serve(
             processes: Arc::new(AtomicUsize::new(0)),
             cleanups: Arc::new(AtomicUsize::new(0)),
             draining: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            guards: guards.clone(),
         }),
         slots: HashMap::new(),
         tasks: TaskTracker::new(),
@@ -169,10 +172,11 @@ pub(super) async fn serve(
     let drain_key = keys.drain(&config.worker_id);
     let mut pet = tokio::time::interval(config.lease_ttl / 6);
     let mut drain: Option<Drain> = None;
-    // What this incarnation's record says about draining, as far as it knows; unknown at
-    // first (it registers drained when an operator's request stands), so checked once.
-    let mut marked: Option<bool> = None;
-    let mut marking: Option<tokio::task::JoinHandle<(bool, bool)>> = None;
+    // What this incarnation's record says about draining and guards, as far as it knows;
+    // unknown at first (it registers drained when an operator's request stands), so checked once.
+    let mut marked: Option<Marks> = None;
+    let mut marking: Option<tokio::task::JoinHandle<(Marks, bool)>> = None;
+    let mut unable = guards.subscribe();
     let tracker = lp.tasks.clone();
     let mut resync = crate::retry::policies::WORKER_RESYNC.backoff();
     let end = 'resync: loop {
@@ -273,17 +277,20 @@ pub(super) async fn serve(
         }
         resync.reset();
         loop {
-            // The record follows the drain state, written off the loop so a slow etcd never
-            // starves the watchdog.
-            let want = drain.is_some();
+            // The record follows the drain state and whether guards start, written off the
+            // loop so a slow etcd never starves the watchdog.
+            let want = Marks {
+                draining: drain.is_some(),
+                unable: unable.borrow_and_update().clone(),
+            };
             lp.inc
                 .draining
-                .store(want, std::sync::atomic::Ordering::SeqCst);
-            if marked != Some(want) && marking.is_none() {
+                .store(want.draining, std::sync::atomic::Ordering::SeqCst);
+            if marked.as_ref() != Some(&want) && marking.is_none() {
                 let (store, keys, config) = (store.clone(), keys.clone(), config.clone());
                 marking = Some(tokio::spawn(async move {
                     let done =
-                        super::registration::set_draining(&store, &keys, &config, rev, want).await;
+                        super::registration::set_marks(&store, &keys, &config, rev, &want).await;
                     (want, done)
                 }));
             }
@@ -297,6 +304,7 @@ pub(super) async fn serve(
                 }
                 _ = lease.lost().cancelled() => break 'resync End::Lost("the lease could not be proven"),
                 _ = tracker.wait(), if exiting(&drain) => break 'resync End::Stopped,
+                _ = unable.changed() => {}
                 done = async { marking.as_mut().expect("guarded").await }, if marking.is_some() => {
                     marking = None;
                     match done {
@@ -360,8 +368,12 @@ pub(super) async fn serve(
     };
     match end {
         End::Stopped => {
-            if marked != Some(true) {
-                super::registration::set_draining(store, keys, config, rev, true).await;
+            let last = Marks {
+                draining: true,
+                unable: guards.unable(),
+            };
+            if marked.as_ref() != Some(&last) {
+                super::registration::set_marks(store, keys, config, rev, &last).await;
             }
             lp.end_all(Control::Preempt);
             lp.tasks.close();

@@ -19,6 +19,8 @@
 //! The worker reaches the coordinator only through etcd keys (see [`crate::jobs::work`]).
 
 mod attempt;
+pub mod descriptors;
+pub mod guards;
 mod incarnation;
 mod logs;
 mod registration;
@@ -58,6 +60,7 @@ pub struct WorkerConfig {
 /// Runs the worker until `stop`; then preempts its jobs and revokes its lease.
 pub async fn run(store: Store, keys: Keys, config: WorkerConfig, stop: CancellationToken) {
     let mut pause = crate::retry::policies::WORKER_RECONNECT.backoff();
+    let guards = guards::GuardHealth::new(config.guard.program.clone());
     while !stop.is_cancelled() {
         let margin = config.guard.margin;
         let lease = tokio::select! {
@@ -76,13 +79,16 @@ pub async fn run(store: Store, keys: Keys, config: WorkerConfig, stop: Cancellat
             }
         };
         pause.reset();
-        let rev = match registration::register(&store, &keys, &config, &lease, &stop).await {
-            Some(rev) => rev,
-            None => {
-                lease.revoke(&store).await;
-                continue;
-            }
-        };
+        let rev =
+            match registration::register(&store, &keys, &config, &lease, guards.unable(), &stop)
+                .await
+            {
+                Some(rev) => rev,
+                None => {
+                    lease.revoke(&store).await;
+                    continue;
+                }
+            };
         // Its guards are fed only while its own key is there (see the lease's module doc).
         lease.hold_key(keys.worker(&config.worker_id), rev);
         // A new incarnation runs nothing: folders of jobs that are gone, go.
@@ -93,7 +99,7 @@ pub async fn run(store: Store, keys: Keys, config: WorkerConfig, stop: Cancellat
             tracing::info!(lease = lease.id(), "worker registered");
             drop(_e);
             tracing::Instrument::instrument(
-                incarnation::serve(&store, &keys, &config, &lease, rev, &stop),
+                incarnation::serve(&store, &keys, &config, &lease, rev, &guards, &stop),
                 span.clone(),
             )
             .await

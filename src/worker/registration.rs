@@ -19,6 +19,7 @@ pub(super) async fn register(
     keys: &Keys,
     config: &WorkerConfig,
     lease: &Lease,
+    unable: Option<String>,
     stop: &CancellationToken,
 ) -> Option<i64> {
     // A worker an operator drained comes back drained: nothing is assigned to it in between.
@@ -47,6 +48,7 @@ pub(super) async fn register(
         margin_ms: config.guard.margin.as_millis() as u64,
         assign_timeout_ms: config.assign_timeout.as_millis() as u64,
         started_at_ms: crate::jobs::records::now_ms(),
+        unable,
     };
     let mut told = false;
     loop {
@@ -75,15 +77,23 @@ pub(super) async fn register(
     }
 }
 
-/// Sets incarnation `rev`'s `draining` flag (bounded; false if it could not tell that it
-/// landed). While set, the leader assigns it nothing: the assign transaction compares the key's
-/// mod revision, so an assignment racing the change fails.
-pub(super) async fn set_draining(
+/// What a worker's record says about taking assignments.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Marks {
+    pub(super) draining: bool,
+    /// Why it cannot start guards (see [`super::guards`]).
+    pub(super) unable: Option<String>,
+}
+
+/// Sets incarnation `rev`'s `draining` and `unable` marks (bounded; false if it could not tell
+/// that they landed). While either is set, the leader assigns it nothing: the assign
+/// transaction compares the key's mod revision, so an assignment racing the change fails.
+pub(super) async fn set_marks(
     store: &Store,
     keys: &Keys,
     config: &WorkerConfig,
     rev: i64,
-    on: bool,
+    marks: &Marks,
 ) -> bool {
     let key = keys.worker(&config.worker_id);
     let mut c = store.client();
@@ -97,10 +107,11 @@ pub(super) async fn set_draining(
     let Ok(mut record) = codec::decode::<WorkerRecord>(kv.key(), kv.value(), WORKER_VERSION) else {
         return false;
     };
-    if record.draining == on {
+    if record.draining == marks.draining && record.unable == marks.unable {
         return kv.create_revision() == rev;
     }
-    record.draining = on;
+    record.draining = marks.draining;
+    record.unable = marks.unable.clone();
     let txn = Txn::new()
         .when([Compare::mod_revision(
             key.clone(),

@@ -16,6 +16,7 @@ pub mod browser;
 pub mod pki;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_baton");
+pub const GUARD_BIN: &str = env!("CARGO_BIN_EXE_baton-guard");
 
 /// Starts etcd (`BATON_ETCD_BIN`, else `etcd` on the PATH), or fails the test with the install
 /// hint when the binary is missing.

@@ -793,6 +793,10 @@ impl<'a> JobTask<'a> {
                         humantime::format_duration(self.ctx.config.cleanup.timeout)
                     ),
                     (_, Some(c)) => format!("cleanup command exited with code {c}: {tail}"),
+                    _ if r.start_error.is_some() => format!(
+                        "cleanup command could not start: {}",
+                        r.start_error.as_deref().unwrap_or_default()
+                    ),
                     _ => format!("cleanup command killed by signal {}", r.signal.unwrap_or(0)),
                 };
                 Seen::Failed(why, r.at_ms)

@@ -127,7 +127,7 @@ pub(super) fn candidates<'a>(
     let open: Vec<&LiveWorker> = workers
         .iter()
         .filter(|w| {
-            !w.record.draining
+            w.record.takes_work()
                 && w.record.cleanup_capacity > 0
                 && selector
                     .iter()
@@ -174,6 +174,7 @@ mod tests {
                 margin_ms: 500,
                 assign_timeout_ms: 10_000,
                 started_at_ms: 0,
+                unable: None,
             },
         }
     }

@@ -1,0 +1,117 @@
+//! What an execution leaves behind on disk: its exit record, its log, and a line per start and
+//! end in the execution ledger. Written by the guard, read by whoever decides what happened.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// How much of an execution's output a result keeps.
+pub const LOG_TAIL_BYTES: u64 = 4096;
+
+/// One line of the execution ledger.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerEntry {
+    /// `start` or `end`.
+    pub event: String,
+    pub job_id: String,
+    /// `attempt-<n>` or `cleanup-<n>`.
+    pub name: String,
+    pub term: i64,
+    pub pid: i32,
+    pub boottime_ns: u64,
+    pub unix_ms: u64,
+    #[serde(default)]
+    pub exit: Option<ExitRecord>,
+    /// The worker that ran it (`BATON_WORKER`), if any.
+    #[serde(default)]
+    pub worker: Option<String>,
+}
+
+/// Why the guard ended the job, if it did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KilledBy {
+    /// The lease deadline passed without a renewal.
+    Deadline,
+    /// The leader went away (pipe closed, or parent-death signal).
+    LeaderGone,
+    Timeout,
+    Cancel,
+}
+
+/// `attempt-<n>.exit`: what happened to one execution.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitRecord {
+    pub version: u32,
+    pub job_id: String,
+    pub attempt: u32,
+    pub term: i64,
+    pub pid: i32,
+    pub started_boottime_ns: u64,
+    pub ended_boottime_ns: u64,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub killed_by: Option<KilledBy>,
+    /// The command could not be started (nothing ran; not an exit code, not even 127).
+    #[serde(default)]
+    pub start_error: Option<StartError>,
+}
+
+/// Why the guard could not start a job's command.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartError {
+    /// The `errno` of the failed exec (or of what failed before it).
+    pub errno: Option<i32>,
+    /// What a person reads: the program and the system's message.
+    pub message: String,
+}
+
+impl StartError {
+    pub fn new(program: &str, e: &std::io::Error) -> StartError {
+        let errno = e.raw_os_error();
+        let text = match errno {
+            Some(n) => format!("{} (errno {n})", nix::errno::Errno::from_raw(n).desc()),
+            None => e.to_string(),
+        };
+        StartError {
+            errno,
+            message: format!("cannot execute {program:?}: {text}"),
+        }
+    }
+}
+
+pub const EXIT_RECORD_VERSION: u32 = 1;
+
+/// `<storage>/jobs/<job>`: the folder of a job on the host that runs it (scratch for one
+/// attempt at a time; another worker's attempt gets another host's folder).
+pub fn job_dir(storage: &Path, job_id: &str) -> PathBuf {
+    storage.join("jobs").join(job_id)
+}
+
+pub fn exit_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!("{name}.exit"))
+}
+
+pub fn log_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!("{name}.log"))
+}
+
+/// Reads an exit record; `None` if absent or unreadable (a torn write cannot happen: it is
+/// renamed into place).
+pub fn read_exit(dir: &Path, name: &str) -> Option<ExitRecord> {
+    let bytes = std::fs::read(exit_path(dir, name)).ok()?;
+    serde_json::from_slice(&bytes).ok()
+}
+
+/// The last [`LOG_TAIL_BYTES`] of a log file, lossily as UTF-8.
+pub fn log_tail(path: &Path) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(LOG_TAIL_BYTES)));
+    let mut buf = Vec::new();
+    let _ = f.take(LOG_TAIL_BYTES).read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).into_owned()
+}
