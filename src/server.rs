@@ -67,6 +67,7 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         store,
         storage_dir,
         guard_bin,
+        job_nofile,
         listener,
     } = open(&args.etcd, &args.cluster, &args.run, args.listen).await?;
     let http_listener = match args.http.http_listen {
@@ -97,7 +98,7 @@ pub async fn run(args: ServeArgs) -> Result<(), Error> {
         advertise = %config.advertise,
         "replica starting"
     );
-    let guard = guard_settings(&args.run, guard_bin, config.margin);
+    let guard = guard_settings(&args.run, guard_bin, job_nofile, config.margin);
     let coordinator_config = CoordinatorConfig {
         replica_id: replica_id.clone(),
         storage_dir: storage_dir.clone(),
@@ -287,6 +288,8 @@ struct Opened {
     store: Store,
     storage_dir: std::path::PathBuf,
     guard_bin: Arc<GuardProgram>,
+    /// The jobs' soft descriptor limit (the process's before the worker raised it).
+    job_nofile: u64,
     listener: TcpListener,
 }
 
@@ -298,7 +301,11 @@ async fn open(
 ) -> Result<Opened, Error> {
     // A worker that could not run its jobs says so before it reaches for etcd.
     let nofile = worker::descriptors::hold(run.max_running, run.max_cleanups)?;
-    tracing::debug!(nofile, "descriptor limit");
+    tracing::debug!(
+        limit = nofile.limit,
+        jobs = nofile.original,
+        "descriptor limits"
+    );
     let guard_bin = guard_program(run).await?;
     let keys = Keys::new(cluster);
     let store = Store::connect(etcd.etcd_config()?).await?;
@@ -317,6 +324,7 @@ async fn open(
         store,
         storage_dir,
         guard_bin,
+        job_nofile: nofile.original,
         listener,
     })
 }
@@ -381,9 +389,15 @@ async fn guard_program(run: &RunArgs) -> Result<Arc<GuardProgram>, Error> {
     Ok(Arc::new(program))
 }
 
-fn guard_settings(run: &RunArgs, program: Arc<GuardProgram>, margin: Duration) -> GuardSettings {
+fn guard_settings(
+    run: &RunArgs,
+    program: Arc<GuardProgram>,
+    job_nofile: u64,
+    margin: Duration,
+) -> GuardSettings {
     GuardSettings {
         program,
+        job_nofile: Some(job_nofile),
         margin,
         kill_grace: run.kill_grace,
         nice: run.job_nice,
@@ -404,11 +418,12 @@ pub async fn run_worker(args: WorkerArgs) -> Result<(), Error> {
         store,
         storage_dir,
         guard_bin,
+        job_nofile,
         listener,
     } = open(&args.etcd, &args.cluster, &args.run, args.listen).await?;
     let worker_id = args.worker_id();
     let advertise = args.advertise();
-    let guard = guard_settings(&args.run, guard_bin, args.margin());
+    let guard = guard_settings(&args.run, guard_bin, job_nofile, args.margin());
     let cfg = worker_config(
         &worker_id,
         advertise,

@@ -37,6 +37,8 @@ fn every_scenario_runs_at_tiny_sizes_and_reports_real_figures() {
             "1,4",
             "--e2e-jobs",
             "20",
+            "--guard-memory-jobs",
+            "3",
             "--workers",
             "1",
             "--recovery-jobs",
@@ -79,6 +81,25 @@ fn every_scenario_runs_at_tiny_sizes_and_reports_real_figures() {
     assert!(num(&report, &["e2e", "clean_per_sec"]) > 0.0);
     assert!(num(&report, &["e2e", "etcd_requests_per_job"]) > 0.0);
     assert!(num(&report, &["e2e", "etcd_writes_per_job"]) >= 4.0);
+    // The guards: the bare spawn rate, the legacy guard's run of the same jobs, and each
+    // kind's memory with its jobs running.
+    assert_eq!(report["e2e"]["guard"], "small");
+    assert!(num(&report, &["guards", "bare_spawns_per_sec"]) > 0.0);
+    assert_eq!(report["guards"]["legacy"]["guard"], "legacy");
+    assert_eq!(num(&report, &["guards", "legacy", "jobs"]), 20.0);
+    assert!(num(&report, &["guards", "legacy", "clean_per_sec"]) > 0.0);
+    for (n, kind) in ["legacy", "small"].iter().enumerate() {
+        assert_eq!(report["guards"]["memory"][n]["guard"], *kind);
+        let i = &n.to_string();
+        assert_eq!(num(&report, &["guards", "memory", i, "running"]), 3.0);
+        assert!(num(&report, &["guards", "memory", i, "private_kib_per_job"]) > 0.0);
+        assert!(
+            num(
+                &report,
+                &["guards", "memory", i, "worker_and_guards_pss_mib"]
+            ) > 1.0
+        );
+    }
     // recovery: the new leader logged both parts; the raw read is beside it.
     assert_eq!(num(&report, &["recovery", "0", "jobs"]), 300.0);
     assert!(num(&report, &["recovery", "0", "registry_ms"]) > 0.0);

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use baton::clock::BootInstant;
 use baton::exec::guard::{Spec, NOT_STARTED, PROTOCOL};
+use baton::exec::program::{GuardKind, GuardProgram};
 use baton::exec::record::{read_exit, KilledBy, LedgerEntry};
 use support::{alive, read_pids, wait_until, GUARD_BIN};
 
@@ -32,13 +33,32 @@ fn spec(dir: &Path, timeout_ms: u64, command: &[&str]) -> Spec {
         nice: 0,
         parent_pid: None,
         unsafe_ignore_deadlines: false,
+        nofile: None,
         command: command.iter().map(|s| s.to_string()).collect(),
     }
 }
 
 fn start(spec: &Spec) -> Child {
-    Command::new(GUARD_BIN)
-        .arg("run")
+    start_with(Command::new(GUARD_BIN), spec)
+}
+
+/// Starts the guard as a worker does: through the descriptor of the program it opened.
+fn start_as_worker(spec: &Spec) -> Child {
+    let program = GuardProgram::open(std::path::Path::new(GUARD_BIN), GuardKind::Small).unwrap();
+    let json = serde_json::to_string(spec).unwrap();
+    let mut cmd = program.command(["run", json.as_str()]);
+    let child = cmd
+        .env("BATON_JOB_DIR", &spec.dir)
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The child has exec'd (spawn returns after it), so the descriptor may close now.
+    drop(program);
+    child
+}
+
+fn start_with(mut cmd: Command, spec: &Spec) -> Child {
+    cmd.arg("run")
         .arg(serde_json::to_string(spec).unwrap())
         .env("BATON_JOB_DIR", &spec.dir)
         .stdin(Stdio::piped())
@@ -238,7 +258,9 @@ async fn the_job_runs_niced_as_the_direct_child_of_the_small_guard() {
             &["sh", "-c", "echo $$ > $BATON_JOB_DIR/pids; exec sleep 60"],
         )
     };
-    let mut g = start(&spec);
+    // Through `/proc/self/fd/<n>`, as a worker starts it: the kernel would name the process
+    // after the number; the guard names itself.
+    let mut g = start_as_worker(&spec);
     feed(&mut g, BootInstant::now() + Duration::from_secs(60));
     let job = job_pid(dir.path()).await;
     let guard = g.id() as i32;

@@ -175,3 +175,43 @@ async fn a_broken_guard_binary_makes_assignments_come_back_rejected_never_run() 
     })
     .await;
 }
+
+/// A guard killed under its running job (the OOM killer, an operator) leaves no exit record:
+/// the job's group is killed, the attempt counts as lost, and the job runs again as a counted
+/// recovery, never beside what is left of the first run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guard_killed_under_its_job_ends_the_attempt_as_lost_and_its_group_with_it() {
+    let c = Cluster::start(worker_opts(1, &[]));
+    c.wait_workers(&["w1"]).await;
+    let out = scratch(&c);
+    c.submit(0, "k", gated(&out, "gate")).await;
+    wait_until("the job to start", LONG, || runs(&out, "k") == 1).await;
+    let dir = c.job_dir("k");
+    let job = wait_for("the guard to note the job's pid", LONG, || async {
+        baton::exec::record::read_pid(&dir, "attempt-1")
+    })
+    .await;
+    let stat = std::fs::read_to_string(format!("/proc/{job}/stat")).unwrap();
+    let guard: i32 = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(guard),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    wait_until("the job to run again", LONG, || runs(&out, "k") == 2).await;
+    assert!(!alive(job), "the first run's group outlived its guard");
+    std::fs::write(out.join("gate"), "").unwrap();
+    let j = c
+        .wait_job(&c.all_indices(), "k", LONG, "terminal", terminal)
+        .await;
+    assert_eq!(state(&j), JobState::Finished, "{j:?}");
+    assert_eq!(j.recoveries, 1, "{j:?}");
+}

@@ -65,6 +65,11 @@ pub struct Spec {
     /// Negative control for drills: ignore lease deadlines (only a closed pipe kills the job).
     #[serde(default)]
     pub unsafe_ignore_deadlines: bool,
+    /// The soft `RLIMIT_NOFILE` the job gets: the worker's before it raised its own, so a
+    /// job sees the host's usual limit (programs that `select()` or close every descriptor
+    /// up to the limit break on a huge one).
+    #[serde(default)]
+    pub nofile: Option<u64>,
     /// The command and its arguments.
     pub command: Vec<String>,
 }
@@ -101,10 +106,25 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> i32 {
             0
         }
         Some("run") if args.len() == 2 => {
-            let spec = match args[1].to_str().map(serde_json::from_str::<Spec>) {
-                Some(Ok(spec)) => spec,
+            // The protocol first: a spec of another release gets that answer, not a field's.
+            let value = match args[1]
+                .to_str()
+                .map(serde_json::from_str::<serde_json::Value>)
+            {
+                Some(Ok(v)) => v,
                 Some(Err(e)) => return fail(&format!("bad spec: {e}")),
                 None => return fail("bad spec: not UTF-8"),
+            };
+            let asked = value.get("protocol").and_then(|p| p.as_u64());
+            if asked != Some(PROTOCOL as u64) {
+                return fail(&format!(
+                    "protocol {} asked, this guard speaks {PROTOCOL}",
+                    asked.map_or("none".into(), |p| p.to_string())
+                ));
+            }
+            let spec = match serde_json::from_value::<Spec>(value) {
+                Ok(spec) => spec,
+                Err(e) => return fail(&format!("bad spec: {e}")),
             };
             match spec.invalid() {
                 Some(why) => fail(&why),
@@ -151,6 +171,7 @@ mod tests {
             nice: 0,
             parent_pid: None,
             unsafe_ignore_deadlines: false,
+            nofile: None,
             command: vec!["true".into()],
         }
     }

@@ -92,6 +92,20 @@ pub fn exit_path(dir: &Path, name: &str) -> PathBuf {
     dir.join(format!("{name}.exit"))
 }
 
+/// The job's pid (its process group), written by the guard once the job started.
+pub fn pid_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!("{name}.pid"))
+}
+
+/// The job's pid from [`pid_path`], if the guard wrote it.
+pub fn read_pid(dir: &Path, name: &str) -> Option<i32> {
+    std::fs::read_to_string(pid_path(dir, name))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 pub fn log_path(dir: &Path, name: &str) -> PathBuf {
     dir.join(format!("{name}.log"))
 }

@@ -29,7 +29,8 @@ use std::time::Duration;
 
 use crate::clock::BootInstant;
 use crate::record::{
-    exit_path, log_path, ExitRecord, KilledBy, LedgerEntry, StartError, EXIT_RECORD_VERSION,
+    exit_path, log_path, pid_path, ExitRecord, KilledBy, LedgerEntry, StartError,
+    EXIT_RECORD_VERSION,
 };
 use crate::{Spec, GUARD_FAILED, NOT_STARTED};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -96,6 +97,13 @@ fn guard(args: Spec) -> std::io::Result<i32> {
     nix::sys::prctl::set_child_subreaper(true).map_err(std::io::Error::from)?;
     if args.parent_pid.is_some_and(|p| getppid().as_raw() != p) {
         return Ok(NOT_STARTED);
+    }
+    if let Some(soft) = args.nofile {
+        // Lowered here, for the guard and so for the job (the guard needs a handful).
+        use nix::sys::resource::{getrlimit, setrlimit, Resource};
+        if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+            let _ = setrlimit(Resource::RLIMIT_NOFILE, soft.min(hard), hard);
+        }
     }
     // Signals that mean "the leader is gone or wants us to stop" arrive on a descriptor, so the
     // loop below never misses one between checks.
@@ -170,6 +178,12 @@ fn guard(args: Spec) -> std::io::Result<i32> {
     let started = BootInstant::now();
     let mut child = match cmd.spawn() {
         Ok(c) => c,
+        // The host, not the command: out of processes, memory or descriptors. Nothing ran,
+        // and the job is not to blame (the worker takes the assignment back uncounted).
+        Err(e) if e.raw_os_error().is_some_and(host_failure) => {
+            eprintln!("baton-guard: cannot start {:?} now: {e}", args.command[0]);
+            return Ok(NOT_STARTED);
+        }
         Err(e) => {
             let rec = ExitRecord {
                 version: EXIT_RECORD_VERSION,
@@ -190,9 +204,13 @@ fn guard(args: Spec) -> std::io::Result<i32> {
         }
     };
     let pid = child.id() as i32;
+    // Whoever finds this guard gone without an exit record kills the job's group by it.
+    let _ = std::fs::write(pid_path(&args.dir, &args.name), pid.to_string());
     ledger(&args, "start", pid, None);
     let group = Pid::from_raw(pid);
-    let pidfd = crate::pidfd_open(pid as u32)?;
+    // Without a pidfd (an old kernel, no descriptor left) the loop below still notices the
+    // exit at its next bounded wake-up; the job is running, so this must not fail the guard.
+    let pidfd = crate::pidfd_open(pid as u32).ok();
     let timeout_at = started + t.timeout;
     let mut killed_by: Option<KilledBy> = None;
     let mut kill_at: Option<BootInstant> = None;
@@ -301,13 +319,14 @@ fn guard(args: Spec) -> std::io::Result<i32> {
         }
         let cap = (t.margin / 2).clamp(Duration::from_millis(20), Duration::from_secs(1));
         let wait = now.until(next).min(cap);
+        let exited = pidfd.as_ref().map_or(signals.as_fd(), |p| p.as_fd());
         let mut fds = [
             PollFd::new(feed.fd.as_fd(), PollFlags::POLLIN),
-            PollFd::new(pidfd.as_fd(), PollFlags::POLLIN),
+            PollFd::new(exited, PollFlags::POLLIN),
             PollFd::new(signals.as_fd(), PollFlags::POLLIN),
         ];
         if feed.closed {
-            fds[0] = PollFd::new(pidfd.as_fd(), PollFlags::POLLIN);
+            fds[0] = PollFd::new(exited, PollFlags::POLLIN);
         }
         let _ = poll(
             &mut fds,
@@ -379,7 +398,18 @@ fn write_exit(args: &Spec, rec: &ExitRecord) -> std::io::Result<()> {
         serde_json::to_vec(rec).expect("exit record serializes"),
     )?;
     std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, &path)
+    std::fs::rename(&tmp, &path)?;
+    // The rename itself must survive a power loss: a lost record means a job run again.
+    std::fs::File::open(&args.dir)?.sync_all()
+}
+
+/// `errno`s of a failed spawn that say the host is short of something, not that the command
+/// cannot run.
+fn host_failure(errno: i32) -> bool {
+    use nix::errno::Errno;
+    [Errno::EAGAIN, Errno::ENOMEM, Errno::EMFILE, Errno::ENFILE]
+        .iter()
+        .any(|e| *e as i32 == errno)
 }
 
 /// The leader's messages on stdin, read without blocking.

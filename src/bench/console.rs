@@ -21,6 +21,7 @@ use super::cluster::{BenchCluster, Shape};
 use super::e2e::{self, Consoles, EndToEnd};
 use super::recovery::{self, FakeWorker, Mix};
 use crate::config::BenchArgs;
+use crate::exec::program::GuardKind;
 
 /// Console streams in the second end-to-end run.
 pub const CONSOLES: usize = 50;
@@ -120,8 +121,10 @@ pub async fn open_streams(addr: SocketAddr, n: usize) -> anyhow::Result<Streams>
 
 pub async fn run(args: &BenchArgs, dir: &Path, n: usize) -> anyhow::Result<ConsoleBench> {
     let views = paging(args, &dir.join("paging"), n).await?;
-    let (without, idle) = e2e::measure(args, &dir.join("without"), Some(0)).await?;
-    let (with, busy) = e2e::measure(args, &dir.join("with"), Some(CONSOLES)).await?;
+    let (without, idle) =
+        e2e::measure(args, &dir.join("without"), Some(0), GuardKind::Small).await?;
+    let (with, busy) =
+        e2e::measure(args, &dir.join("with"), Some(CONSOLES), GuardKind::Small).await?;
     Ok(ConsoleBench {
         jobs: n,
         views,

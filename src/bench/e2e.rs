@@ -14,6 +14,7 @@ use super::cluster::{BenchCluster, Shape};
 use super::etcdstats::{self, Counts};
 use super::submit::trivial;
 use crate::config::BenchArgs;
+use crate::exec::program::GuardKind;
 use crate::proto;
 use crate::store::Keys;
 
@@ -32,13 +33,15 @@ pub struct EndToEnd {
     pub etcd_writes_per_job: f64,
     /// Settings the run needed beyond the defaults.
     pub settings: String,
+    /// The workers' guard (`small` or `legacy`).
+    pub guard: String,
 }
 
 /// Submitting clients.
 const CLIENTS: usize = 64;
 
-pub async fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<EndToEnd> {
-    Ok(measure(args, dir, None).await?.0)
+pub async fn run(args: &BenchArgs, dir: &Path, guard: GuardKind) -> anyhow::Result<EndToEnd> {
+    Ok(measure(args, dir, None, guard).await?.0)
 }
 
 /// What console streams on a follower cost during an end-to-end run.
@@ -59,6 +62,7 @@ pub async fn measure(
     args: &BenchArgs,
     dir: &Path,
     consoles: Option<usize>,
+    guard: GuardKind,
 ) -> anyhow::Result<(EndToEnd, Option<Consoles>)> {
     let replica_args: Vec<String> = [
         "--max-starts-per-second",
@@ -68,9 +72,12 @@ pub async fn measure(
     ]
     .map(String::from)
     .to_vec();
+    let mut worker_args = vec!["--max-running".to_string(), "128".into()];
+    worker_args.extend(super::guards::guard_flag(guard));
     let settings = format!(
-        "coordinators {}; workers --max-running 128",
-        replica_args.join(" ")
+        "coordinators {}; workers {}",
+        replica_args.join(" "),
+        worker_args.join(" ")
     );
     let c = BenchCluster::start(
         args,
@@ -79,7 +86,7 @@ pub async fn measure(
             replicas: 3,
             workers: args.workers,
             replica_args,
-            worker_args: vec!["--max-running".into(), "128".into()],
+            worker_args,
             http: consoles.is_some(),
         },
     )?;
@@ -205,6 +212,7 @@ pub async fn measure(
         etcd_txns_per_job: per(spent.txns),
         etcd_writes_per_job: per(spent.writes),
         settings,
+        guard: super::guards::guard_flag(guard)[1].clone(),
     };
     Ok((e, consoles))
 }

@@ -2,6 +2,7 @@
 //! (like `baton dev`), one fresh cluster per scenario:
 //! - [`submit`]: `SubmitJob` from C clients next to raw transactions of the same shape;
 //! - [`e2e`]: trivial jobs from submission to a clean result, and their cost in etcd requests;
+//!   with [`guards`], the bare spawn rate, the legacy guard's rate and each guard's memory;
 //! - [`recovery`]: a new leader taking in N preloaded jobs, next to a raw paged read;
 //! - [`failover`]: leader SIGKILLs and SIGTERMs;
 //! - [`footprint`]: memory and CPU of idle processes and of a leader holding N jobs;
@@ -17,6 +18,7 @@ mod e2e;
 mod etcdstats;
 mod failover;
 mod footprint;
+mod guards;
 mod load;
 mod plot;
 mod recovery;
@@ -49,7 +51,23 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         let at = dir.join(s);
         match s {
             "submit" => report.submit = Some(submit::run(&args, &at).await?),
-            "e2e" => report.e2e = Some(e2e::run(&args, &at).await?),
+            "e2e" => {
+                use crate::exec::program::GuardKind;
+                let bare = guards::bare_spawn_rate(std::time::Duration::from_secs(3)).await?;
+                let legacy = e2e::run(&args, &at.join("legacy"), GuardKind::Legacy).await?;
+                report.e2e = Some(e2e::run(&args, &at.join("small"), GuardKind::Small).await?);
+                let n = args.guard_memory_jobs;
+                let mut memory = Vec::new();
+                for kind in [GuardKind::Legacy, GuardKind::Small] {
+                    let at = at.join(format!("memory-{kind:?}"));
+                    memory.push(guards::memory(&args, &at, kind, n).await?);
+                }
+                report.guards = Some(guards::Guards {
+                    bare_spawns_per_sec: bare,
+                    legacy,
+                    memory,
+                });
+            }
             "recovery" => {
                 let mut all = Vec::new();
                 for &n in &args.recovery_jobs {

@@ -9,6 +9,7 @@ use super::console::ConsoleBench;
 use super::e2e::EndToEnd;
 use super::failover::Failover;
 use super::footprint::Footprint;
+use super::guards::Guards;
 use super::recovery::Recovery;
 use super::schedules::Schedules;
 use super::submit::Point;
@@ -21,6 +22,7 @@ pub struct Report {
     pub submit_seconds: f64,
     pub submit: Option<Vec<Point>>,
     pub e2e: Option<EndToEnd>,
+    pub guards: Option<Guards>,
     pub recovery: Option<Vec<Recovery>>,
     pub failover: Option<Failover>,
     pub footprint: Option<Footprint>,
@@ -75,6 +77,41 @@ impl Report {
                 format!("{:.0} jobs/s", e.results_per_sec),
                 e.results_per_sec >= 1000.0,
             );
+        }
+        if let (Some(e), Some(g)) = (&self.e2e, &self.guards) {
+            let bare = e.clean_per_sec / g.bare_spawns_per_sec.max(f64::MIN_POSITIVE);
+            add(
+                "end-to-end to clean / bare spawn rate",
+                ">= 0.3x",
+                format!("{bare:.2}x"),
+                bare >= 0.3,
+            );
+            let legacy = e.clean_per_sec / g.legacy.clean_per_sec.max(f64::MIN_POSITIVE);
+            add(
+                "end-to-end to clean / legacy guard",
+                ">= 1.5x",
+                format!("{legacy:.2}x"),
+                legacy >= 1.5,
+            );
+        }
+        for m in self.guards.iter().flat_map(|g| &g.memory) {
+            if m.guard != "small" {
+                continue;
+            }
+            add(
+                "guard private memory per running job",
+                "< 256 KiB",
+                format!("{:.0} KiB", m.private_kib_per_job),
+                m.private_kib_per_job < 256.0,
+            );
+            if m.running >= 1000 {
+                add(
+                    &format!("worker + guards PSS, {} running", m.running),
+                    "< 300 MiB",
+                    format!("{:.0} MiB", m.worker_and_guards_pss_mib),
+                    m.worker_and_guards_pss_mib < 300.0,
+                );
+            }
         }
         for r in self.recovery.iter().flatten() {
             let (goal, bound) = if r.jobs <= 10_000 {
@@ -269,6 +306,34 @@ impl Report {
                 e.etcd_txns_per_job,
                 e.etcd_writes_per_job
             );
+        }
+        if let (Some(e), Some(g)) = (&self.e2e, &self.guards) {
+            let _ = writeln!(
+                o,
+                "\nguards: the same end-to-end run per guard, on this machine"
+            );
+            let _ = writeln!(
+                o,
+                "  bare spawn rate (/bin/true, two at a time, through the spawner): {:.0} processes/s",
+                g.bare_spawns_per_sec
+            );
+            for x in [&g.legacy, e] {
+                let _ = writeln!(
+                    o,
+                    "  {:<7} {:>6.0} jobs/s to clean ({:.2}x bare)  [{}]",
+                    x.guard,
+                    x.clean_per_sec,
+                    x.clean_per_sec / g.bare_spawns_per_sec.max(f64::MIN_POSITIVE),
+                    x.settings
+                );
+            }
+            for m in &g.memory {
+                let _ = writeln!(
+                    o,
+                    "  {:<7} {:>5} running: {:>6.0} KiB private per guard; worker + guards {:.0} MiB PSS",
+                    m.guard, m.running, m.private_kib_per_job, m.worker_and_guards_pss_mib
+                );
+            }
         }
         if let Some(rs) = &self.recovery {
             let _ = writeln!(

@@ -36,6 +36,10 @@ pub struct BenchArgs {
     /// e2e: trivial jobs (`true`) submitted, then waited for until clean.
     #[arg(long, env = "BATON_BENCH_E2E_JOBS", default_value_t = 5000)]
     pub e2e_jobs: usize,
+    /// e2e: sleeping jobs on one worker (`--max-running` as many) whose guards' memory is read,
+    /// once per kind of guard.
+    #[arg(long, env = "BATON_BENCH_GUARD_MEMORY_JOBS", default_value_t = 1000)]
+    pub guard_memory_jobs: usize,
     /// e2e: separate workers.
     #[arg(long, env = "BATON_BENCH_WORKERS", default_value_t = 2)]
     pub workers: usize,

@@ -56,6 +56,8 @@ pub struct GuardSettings {
     pub ledger: Option<PathBuf>,
     /// Negative control for drills: guards ignore lease deadlines.
     pub unsafe_ignore_deadlines: bool,
+    /// The jobs' soft `RLIMIT_NOFILE` (the process's before the worker raised it).
+    pub job_nofile: Option<u64>,
 }
 
 /// One execution to start under a guard.
@@ -217,11 +219,23 @@ fn serve(rx: mpsc::Receiver<Request>) {
 /// whether guards can be started now.
 pub async fn probe(program: &GuardProgram) -> std::io::Result<()> {
     let mut cmd = program.command(["protocol"]);
-    cmd.env_clear()
-        .process_group(0)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
+    // The shape of a guard's spawn: its own group, a pipe on stdin, nothing inherited.
+    cmd.env_clear().process_group(0).stdin(Stdio::piped());
+    let status = run_to_end(cmd).await?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "the guard program exited with {status}"
+        )))
+    }
+}
+
+/// Runs `cmd` (stdout and stderr to /dev/null; stdin as the caller set it) through the
+/// spawner thread, as guards are spawned, and waits for its exit: [`probe`], and the bench's
+/// bare spawn rate.
+pub async fn run_to_end(mut cmd: Command) -> std::io::Result<ExitStatus> {
+    cmd.stdout(Stdio::null()).stderr(Stdio::null());
     let (reply, answer) = oneshot::channel();
     spawner()
         .send(Request { cmd, reply })
@@ -232,14 +246,7 @@ pub async fn probe(program: &GuardProgram) -> std::io::Result<()> {
     // SAFETY: as in `adopt`.
     let pidfd = unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
         .map_err(std::io::Error::from);
-    let status = reap(child, pidfd).await;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(std::io::Error::other(format!(
-            "the guard program exited with {status}"
-        )))
-    }
+    Ok(reap(child, pidfd).await)
 }
 
 /// Starts a guard for `launch`, fed `first_deadline()` (read once the guard exists, so a slow
@@ -350,6 +357,7 @@ fn spec(l: &Launch) -> Spec {
         nice: g.nice,
         parent_pid: Some(std::process::id() as i32),
         unsafe_ignore_deadlines: g.unsafe_ignore_deadlines,
+        nofile: g.job_nofile,
         command: l.command.clone(),
     }
 }

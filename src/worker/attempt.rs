@@ -22,6 +22,7 @@ use tokio::sync::watch;
 
 use super::WorkerConfig;
 use crate::clock::BootInstant;
+use crate::exec::guard::{GUARD_FAILED, NOT_STARTED};
 use crate::exec::record::{self, KilledBy};
 use crate::exec::spawner::{self, Guard, Launch};
 use crate::jobs::records::now_ms;
@@ -339,7 +340,7 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
     let mut deadlines = inc.deadlines.clone();
     guard.feed.deadline(*deadlines.borrow_and_update());
     tracing::info!(job_id = %id, attempt = a.attempt, token, guard = guard.pid, "job started");
-    let why = supervise(&mut guard, &mut deadlines, &mut ctl).await;
+    let (why, status) = supervise(&mut guard, &mut deadlines, &mut ctl).await;
     if why == Control::Revoked {
         tracing::info!(job_id = %id, token, "the leader ended the assignment; the job was stopped");
         // Whoever waits for this execution's end (an abandoned cleanup, a result found beside
@@ -381,10 +382,28 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
                 _ => "cancel".to_string(),
             });
         }
-        None if why != Control::Preempt => {
-            // The guard started nothing (its go came too late): nothing ran.
+        None if why != Control::Preempt && status.and_then(|s| s.code()) == Some(NOT_STARTED) => {
+            // The guard started nothing (its go came too late, the host was short of
+            // processes or memory): nothing ran.
             end.state = AttemptState::Rejected;
             end.reason = Some("the guard started nothing".into());
+        }
+        None if why != Control::Preempt => {
+            // The guard died without a record (killed, or it failed): the job may have run,
+            // and part of its group may live on. Its group goes first; then the attempt
+            // counts as lost, so the job runs again only as a counted recovery.
+            let shown = status.map_or("an unknown status".into(), |s| s.to_string());
+            if status.and_then(|s| s.code()) == Some(GUARD_FAILED) {
+                inc.guards.failed(&std::io::Error::other(format!(
+                    "the guard exited with {shown}"
+                )));
+            }
+            stop_group(&dir, &name).await;
+            tracing::error!(job_id = %id, token, status = %shown, "the guard ended without an exit record");
+            end.state = AttemptState::Lost;
+            end.reason = Some(format!(
+                "the guard exited with {shown} and left no exit record"
+            ));
         }
         other => {
             end.state = if why == Control::Preempt {
@@ -409,12 +428,30 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
     }
 }
 
-/// Feeds deadlines and follows the loop's wishes until the guard is gone; returns the last wish.
+/// Kills what is left of a job whose guard died without a record (its group, by the pid the
+/// guard wrote), until the group is empty or a bound passes.
+async fn stop_group(dir: &std::path::Path, name: &str) {
+    use nix::sys::signal::{killpg, Signal};
+    let Some(pgid) = record::read_pid(dir, name).filter(|p| *p > 1) else {
+        return;
+    };
+    let group = nix::unistd::Pid::from_raw(pgid);
+    for _ in 0..200 {
+        if killpg(group, Signal::SIGKILL) == Err(nix::errno::Errno::ESRCH) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tracing::warn!(pgid, "the job's group survives SIGKILL");
+}
+
+/// Feeds deadlines and follows the loop's wishes until the guard is gone; returns the last wish
+/// and the guard's exit status.
 async fn supervise(
     guard: &mut Guard,
     deadlines: &mut watch::Receiver<BootInstant>,
     ctl: &mut watch::Receiver<Control>,
-) -> Control {
+) -> (Control, Option<std::process::ExitStatus>) {
     let mut cancelled = false;
     let mut act = |c: Control, guard: &Guard| match c {
         Control::Run => {}
@@ -428,9 +465,9 @@ async fn supervise(
     act(*ctl.borrow_and_update(), guard);
     let mut ctl_open = true;
     let mut deadlines_open = true;
-    loop {
+    let status = loop {
         tokio::select! {
-            _ = &mut guard.exited => break,
+            s = &mut guard.exited => break s.ok(),
             changed = deadlines.changed(), if deadlines_open => match changed {
                 Ok(()) => guard.feed.deadline(*deadlines.borrow_and_update()),
                 Err(_) => deadlines_open = false,
@@ -440,9 +477,9 @@ async fn supervise(
                 Err(_) => ctl_open = false,
             },
         }
-    }
+    };
     let last = *ctl.borrow();
-    last
+    (last, status)
 }
 
 enum Accept {

@@ -28,9 +28,18 @@ pub fn needed(slots: usize) -> u64 {
         .saturating_add(HEADROOM)
 }
 
+/// The descriptor limits of a worker after [`hold`].
+#[derive(Clone, Copy, Debug)]
+pub struct Held {
+    /// The soft limit now in force.
+    pub limit: u64,
+    /// The soft limit before it was raised: what jobs get.
+    pub original: u64,
+}
+
 /// Raises the soft limit to the hard one and checks that it holds `max_running` jobs and
-/// `max_cleanups` cleanups at once. Returns the limit now in force.
-pub fn hold(max_running: usize, max_cleanups: usize) -> Result<u64, TooFew> {
+/// `max_cleanups` cleanups at once.
+pub fn hold(max_running: usize, max_cleanups: usize) -> Result<Held, TooFew> {
     let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap_or((1024, 1024));
     if soft < hard {
         if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
@@ -47,7 +56,10 @@ pub fn hold(max_running: usize, max_cleanups: usize) -> Result<u64, TooFew> {
             hard,
         });
     }
-    Ok(now)
+    Ok(Held {
+        limit: now,
+        original: soft,
+    })
 }
 
 #[cfg(test)]
@@ -58,8 +70,9 @@ mod tests {
     fn a_worker_holds_what_it_promises_or_says_why_not() {
         assert_eq!(needed(64), 64 * 3 + 512);
         let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
-        let limit = hold(1, 1).unwrap();
-        assert_eq!(limit, hard, "the soft limit is raised to the hard one");
+        let held = hold(1, 1).unwrap();
+        assert_eq!(held.limit, hard, "the soft limit is raised to the hard one");
+        assert!(held.original <= hard);
         let too_many = (hard as usize) / 3 + 1;
         let err = hold(too_many, 1).unwrap_err();
         assert!(err.to_string().contains("RLIMIT_NOFILE"), "{err}");

@@ -10,6 +10,7 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::watch;
 
@@ -22,6 +23,10 @@ pub const FAILURES_IN_A_ROW: u32 = 3;
 /// Shared by every attempt of a worker process, across its incarnations.
 pub struct GuardHealth {
     failures: AtomicU32,
+    /// Times the worker became unable since a job's guard last started: the probe's backoff
+    /// goes on from there, so a failure the probe does not reproduce cannot make the worker
+    /// flap at the probe's first pause.
+    episodes: AtomicU32,
     /// Why the worker is unable, if it is.
     unable: watch::Sender<Option<String>>,
     program: Arc<GuardProgram>,
@@ -31,6 +36,7 @@ impl GuardHealth {
     pub fn new(program: Arc<GuardProgram>) -> Arc<GuardHealth> {
         Arc::new(GuardHealth {
             failures: AtomicU32::new(0),
+            episodes: AtomicU32::new(0),
             unable: watch::Sender::new(None),
             program,
         })
@@ -45,39 +51,54 @@ impl GuardHealth {
         self.unable.subscribe()
     }
 
-    /// A guard was spawned.
+    /// A job's guard was spawned.
     pub fn spawned(&self) {
         self.failures.store(0, Ordering::SeqCst);
+        self.episodes.store(0, Ordering::SeqCst);
+        self.clear();
+    }
+
+    fn clear(&self) {
         self.unable.send_if_modified(|u| u.take().is_some());
     }
 
-    /// A guard could not be spawned: the third failure in a row makes the worker unable and
-    /// starts the probe.
+    /// A guard could not be spawned (or failed at once): the third failure in a row makes the
+    /// worker unable and starts the probe.
     pub fn failed(self: &Arc<Self>, error: &std::io::Error) {
         let n = self.failures.fetch_add(1, Ordering::SeqCst) + 1;
         if n < FAILURES_IN_A_ROW {
             return;
         }
-        let why = format!("cannot start the guard: {error} ({n} spawns failed in a row)");
+        let why = format!(
+            "cannot start the guard {}: {error}",
+            self.program.path().display()
+        );
         let newly = self.unable.send_if_modified(|u| {
             let was = u.is_none();
-            *u = Some(why.clone());
+            if was {
+                *u = Some(why.clone());
+            }
             was
         });
         if newly {
+            let episode = self.episodes.fetch_add(1, Ordering::SeqCst);
             tracing::error!(reason = %why, "this worker takes no assignments until a guard can be started");
-            tokio::spawn(self.clone().probe());
+            tokio::spawn(self.clone().probe(episode));
         }
     }
 
-    async fn probe(self: Arc<Self>) {
-        let mut pause = crate::retry::policies::GUARD_PROBE.backoff();
+    /// Spawns the guard program as guards are spawned until it works, then clears the mark.
+    async fn probe(self: Arc<Self>, episode: u32) {
+        let policy = crate::retry::policies::GUARD_PROBE;
+        let mut n = episode;
         while self.unable().is_some() {
-            pause.pause().await;
+            n += 1;
+            tokio::time::sleep(policy.delay(n).unwrap_or(Duration::from_secs(10))).await;
             match spawner::probe(&self.program).await {
                 Ok(()) => {
                     tracing::info!("a guard can be started again: taking assignments");
-                    self.spawned();
+                    self.failures.store(0, Ordering::SeqCst);
+                    self.clear();
                 }
                 Err(e) => tracing::warn!(error = %e, "the guard still cannot be started"),
             }

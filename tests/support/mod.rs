@@ -528,14 +528,19 @@ pub use baton::proto::{
 
 pub type Jobs = JobServiceClient<tonic::transport::Channel>;
 
+/// A client of the replica at `addr`, waiting for it to listen: a replica just started may
+/// still be reaching etcd (a loaded machine makes that take seconds).
 pub async fn jobs_at(addr: SocketAddr) -> Jobs {
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(10))
-        .connect()
-        .await
-        .unwrap_or_else(|e| panic!("cannot connect to {addr}: {e}"));
+        .timeout(Duration::from_secs(10));
+    let ch = wait_for(
+        &format!("the replica at {addr} to accept connections"),
+        Duration::from_secs(60),
+        || async { endpoint.connect().await.ok() },
+    )
+    .await;
     JobServiceClient::new(ch)
 }
 
