@@ -212,7 +212,7 @@ pub async fn measure(
         etcd_txns_per_job: per(spent.txns),
         etcd_writes_per_job: per(spent.writes),
         settings,
-        guard: super::guards::guard_flag(guard)[1].clone(),
+        guard: guard.name().into(),
     };
     Ok((e, consoles))
 }

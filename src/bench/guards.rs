@@ -66,11 +66,7 @@ pub async fn bare_spawn_rate(window: Duration) -> anyhow::Result<f64> {
 
 /// `--guard <kind>` for a worker.
 pub fn guard_flag(kind: GuardKind) -> Vec<String> {
-    let name = match kind {
-        GuardKind::Small => "small",
-        GuardKind::Legacy => "legacy",
-    };
-    vec!["--guard".into(), name.into()]
+    vec!["--guard".into(), kind.name().into()]
 }
 
 /// Runs `n` sleeping jobs on one worker with `kind` of guard and reads the guards' memory.
@@ -133,7 +129,7 @@ pub async fn memory(
         pss_kib += rollup(*g, &["Pss"])?;
     }
     Ok(GuardMemory {
-        guard: format!("{kind:?}").to_lowercase(),
+        guard: kind.name().into(),
         running: guards.len(),
         private_kib_per_job: private_kib as f64 / guards.len() as f64,
         worker_and_guards_pss_mib: pss_kib as f64 / 1024.0,

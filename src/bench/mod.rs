@@ -59,7 +59,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let n = args.guard_memory_jobs;
                 let mut memory = Vec::new();
                 for kind in [GuardKind::Legacy, GuardKind::Small] {
-                    let at = at.join(format!("memory-{kind:?}"));
+                    let at = at.join(format!("memory-{}", kind.name()));
                     memory.push(guards::memory(&args, &at, kind, n).await?);
                 }
                 report.guards = Some(guards::Guards {

@@ -29,6 +29,16 @@ pub enum GuardKind {
     Legacy,
 }
 
+impl GuardKind {
+    /// Its `--guard` value.
+    pub fn name(self) -> &'static str {
+        match self {
+            GuardKind::Small => "small",
+            GuardKind::Legacy => "legacy",
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ProgramError {
     #[error("cannot open the guard binary {path}: {source} (install baton-guard next to baton, or give --guard-bin)")]
