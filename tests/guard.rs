@@ -180,6 +180,58 @@ async fn renewals_keep_the_job_alive_and_a_closed_pipe_kills_it_at_once() {
     all_die(&pids_file).await;
 }
 
+#[tokio::test]
+async fn orphans_the_job_leaves_behind_are_reaped_while_it_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    // Each inner shell exits at once: its `sleep` is orphaned to the guard (the subreaper).
+    let script = "for i in 1 2 3 4 5 6 7 8; do sh -c 'sleep 0.2 & echo $! >> $BATON_JOB_DIR/orphans'; done; \
+                  echo $$ > $BATON_JOB_DIR/job; sleep 60";
+    let mut g = guard(dir.path(), "60s", script);
+    feed(&mut g, BootInstant::now() + Duration::from_secs(60));
+    let job_file = dir.path().join("job");
+    wait_until("the job to start", Duration::from_secs(10), || {
+        !read_pids(&job_file).is_empty()
+    })
+    .await;
+    let orphans = read_pids(&dir.path().join("orphans"));
+    assert_eq!(orphans.len(), 8);
+    let guard_pid = g.id() as i32;
+    let zombies_of_the_guard = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+            .filter(|stat| {
+                let Some((_, rest)) = stat.rsplit_once(')') else {
+                    return false;
+                };
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                f.first() == Some(&"Z") && f.get(1) == Some(&guard_pid.to_string().as_str())
+            })
+            .count()
+    };
+    wait_until(
+        "every orphan to have exited and been reaped by the guard",
+        Duration::from_secs(10),
+        || {
+            orphans
+                .iter()
+                .all(|p| !Path::new(&format!("/proc/{p}")).exists())
+        },
+    )
+    .await;
+    assert_eq!(zombies_of_the_guard(), 0);
+    let job = read_pids(&job_file)[0];
+    assert!(alive(job), "the job itself must still run");
+    assert!(g.try_wait().unwrap().is_none());
+    drop(g.stdin.take());
+    assert_eq!(wait_exit(&mut g), 0);
+    assert_eq!(
+        read_exit(dir.path(), "attempt-1").unwrap().killed_by,
+        Some(KilledBy::LeaderGone)
+    );
+}
+
 #[test]
 fn the_attempt_timeout_is_enforced_and_a_normal_exit_is_recorded() {
     let dir = tempfile::tempdir().unwrap();

@@ -20,9 +20,9 @@ use serde::{Deserialize, Serialize};
 
 pub use run::run;
 
-/// The version of the worker-guard protocol: the [`Spec`], the stdin lines, the exit record.
+/// The version of the worker-guard protocol: the [`Spec`], the stdin lines, the files it writes.
 /// A worker spawns only a guard that answers the same number.
-pub const PROTOCOL: u32 = 2;
+pub const PROTOCOL: u32 = 3;
 
 /// Exit code of a guard that did not start its job (the deadline had passed, no deadline came,
 /// its parent was gone).

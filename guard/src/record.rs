@@ -92,9 +92,13 @@ pub fn exit_path(dir: &Path, name: &str) -> PathBuf {
     dir.join(format!("{name}.exit"))
 }
 
-/// The job's pid (its process group), written by the guard once the job started.
+/// The job's pid (its process group), written by the guard once the job started, in the file
+/// its exit record is later written over and renamed from: one file per attempt fewer, and
+/// creating files is most of what an attempt costs the filesystem. Only a guard that died
+/// while writing its record leaves it unreadable, and that guard had waited for the group to
+/// be empty.
 pub fn pid_path(dir: &Path, name: &str) -> PathBuf {
-    dir.join(format!("{name}.pid"))
+    dir.join(format!("{name}.exit.tmp"))
 }
 
 /// The job's pid from [`pid_path`], if the guard wrote it.

@@ -310,6 +310,7 @@ fn guard(args: Spec) -> std::io::Result<i32> {
             ledger(&args, "end", pid, Some(&rec));
             return Ok(0);
         }
+        reap_orphans_but(group);
         // Sleep until the job exits, the leader speaks, a signal comes, or the next deadline;
         // at most half the margin, as poll's clock stops while the host is suspended.
         let mut next = deadline - t.margin;
@@ -385,6 +386,24 @@ fn reap_orphans() {
     }
 }
 
+/// While the job runs: reaps the exited descendants handed to the guard as their subreaper,
+/// so a job that leaves short-lived processes behind (a daemonizing script, a shell's `&`)
+/// does not fill the host's process table with zombies for as long as it runs. The job itself
+/// is left alone: its status is the attempt's (`try_wait`); a job that exited stops the round,
+/// and the end of the attempt reaps the rest.
+fn reap_orphans_but(job: Pid) {
+    use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag};
+    let peek = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
+    while let Ok(status) = waitid(Id::All, peek) {
+        match status.pid() {
+            Some(p) if p != job => {
+                let _ = waitpid(p, Some(WaitPidFlag::WNOHANG));
+            }
+            _ => break,
+        }
+    }
+}
+
 /// Whether a stop signal (the parent's death, SIGHUP from an abandon, SIGTERM) is pending.
 fn let_go(signals: &SignalFd) -> bool {
     matches!(signals.read_signal(), Ok(Some(_)))
@@ -392,7 +411,7 @@ fn let_go(signals: &SignalFd) -> bool {
 
 fn write_exit(args: &Spec, rec: &ExitRecord) -> std::io::Result<()> {
     let path = exit_path(&args.dir, &args.name);
-    let tmp = path.with_extension("exit.tmp");
+    let tmp = pid_path(&args.dir, &args.name);
     std::fs::write(
         &tmp,
         serde_json::to_vec(rec).expect("exit record serializes"),

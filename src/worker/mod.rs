@@ -20,6 +20,7 @@
 
 mod attempt;
 pub mod descriptors;
+pub mod folders;
 pub mod guards;
 mod incarnation;
 mod logs;
