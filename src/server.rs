@@ -350,7 +350,7 @@ async fn serve_metrics(
 fn storage_dir(run: &RunArgs) -> Result<std::path::PathBuf, Error> {
     let dir = &run.storage_dir;
     std::fs::create_dir_all(dir).map_err(|e| Error::Storage(dir.clone(), e))?;
-    worker::folders::prepare(dir).map_err(|e| Error::Storage(dir.clone(), e))?;
+    worker::folders::prepare(dir);
     std::fs::canonicalize(dir).map_err(|e| Error::Storage(dir.clone(), e))
 }
 

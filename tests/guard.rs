@@ -15,7 +15,7 @@ use baton::clock::BootInstant;
 use baton::exec::guard::{Spec, NOT_STARTED, PROTOCOL};
 use baton::exec::program::{GuardKind, GuardProgram};
 use baton::exec::record::{read_exit, KilledBy, LedgerEntry};
-use support::{alive, read_pids, wait_until, GUARD_BIN};
+use support::{alive, line_count, read_pids, wait_until, GUARD_BIN};
 
 fn spec(dir: &Path, timeout_ms: u64, command: &[&str]) -> Spec {
     Spec {
@@ -180,48 +180,46 @@ async fn renewals_keep_the_job_alive_and_a_closed_pipe_kills_it_at_once() {
     all_die(&pids_file).await;
 }
 
+/// Zombie children of `guard`, from /proc (by parent, so a reused pid cannot confuse it).
+fn zombies_of(guard: i32) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|stat| {
+            let Some((_, rest)) = stat.rsplit_once(')') else {
+                return false;
+            };
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            f.first() == Some(&"Z") && f.get(1) == Some(&guard.to_string().as_str())
+        })
+        .count()
+}
+
+/// Each inner shell exits at once, so its subshell is orphaned to the guard (the subreaper);
+/// the subshell notes its end in `gone` as its last act.
+const ORPHANS: &str =
+    "for i in 1 2 3 4 5 6 7 8; do sh -c '(sleep 0.2; echo x >> $BATON_JOB_DIR/gone) &'; done";
+
 #[tokio::test]
 async fn orphans_the_job_leaves_behind_are_reaped_while_it_runs() {
     let dir = tempfile::tempdir().unwrap();
-    // Each inner shell exits at once: its `sleep` is orphaned to the guard (the subreaper).
-    let script = "for i in 1 2 3 4 5 6 7 8; do sh -c 'sleep 0.2 & echo $! >> $BATON_JOB_DIR/orphans'; done; \
-                  echo $$ > $BATON_JOB_DIR/job; sleep 60";
-    let mut g = guard(dir.path(), "60s", script);
+    let script = format!("{ORPHANS}; echo $$ > $BATON_JOB_DIR/job; sleep 60");
+    let mut g = guard(dir.path(), "60s", &script);
     feed(&mut g, BootInstant::now() + Duration::from_secs(60));
-    let job_file = dir.path().join("job");
-    wait_until("the job to start", Duration::from_secs(10), || {
-        !read_pids(&job_file).is_empty()
+    let gone = dir.path().join("gone");
+    wait_until("every orphan to end", Duration::from_secs(10), || {
+        line_count(&gone) == 8
     })
     .await;
-    let orphans = read_pids(&dir.path().join("orphans"));
-    assert_eq!(orphans.len(), 8);
     let guard_pid = g.id() as i32;
-    let zombies_of_the_guard = || {
-        std::fs::read_dir("/proc")
-            .unwrap()
-            .flatten()
-            .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
-            .filter(|stat| {
-                let Some((_, rest)) = stat.rsplit_once(')') else {
-                    return false;
-                };
-                let f: Vec<&str> = rest.split_whitespace().collect();
-                f.first() == Some(&"Z") && f.get(1) == Some(&guard_pid.to_string().as_str())
-            })
-            .count()
-    };
     wait_until(
-        "every orphan to have exited and been reaped by the guard",
+        "the guard to reap the orphans while the job runs",
         Duration::from_secs(10),
-        || {
-            orphans
-                .iter()
-                .all(|p| !Path::new(&format!("/proc/{p}")).exists())
-        },
+        || zombies_of(guard_pid) == 0,
     )
     .await;
-    assert_eq!(zombies_of_the_guard(), 0);
-    let job = read_pids(&job_file)[0];
+    let job = read_pids(&dir.path().join("job"))[0];
     assert!(alive(job), "the job itself must still run");
     assert!(g.try_wait().unwrap().is_none());
     drop(g.stdin.take());
@@ -230,6 +228,21 @@ async fn orphans_the_job_leaves_behind_are_reaped_while_it_runs() {
         read_exit(dir.path(), "attempt-1").unwrap().killed_by,
         Some(KilledBy::LeaderGone)
     );
+}
+
+#[test]
+fn a_job_that_exits_among_its_orphans_keeps_its_exit_code() {
+    let dir = tempfile::tempdir().unwrap();
+    // The job ends only after its orphans did, so their zombies may still wait for the guard.
+    let script = format!(
+        "{ORPHANS}; until [ \"$(cat $BATON_JOB_DIR/gone 2>/dev/null | wc -l)\" -ge 8 ]; do sleep 0.02; done; exit 3"
+    );
+    let mut g = guard(dir.path(), "60s", &script);
+    feed(&mut g, BootInstant::now() + Duration::from_secs(60));
+    assert_eq!(wait_exit(&mut g), 0);
+    let rec = read_exit(dir.path(), "attempt-1").unwrap();
+    assert_eq!((rec.exit_code, rec.killed_by), (Some(3), None));
+    assert_eq!(line_count(&dir.path().join("gone")), 8);
 }
 
 #[test]

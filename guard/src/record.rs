@@ -94,9 +94,10 @@ pub fn exit_path(dir: &Path, name: &str) -> PathBuf {
 
 /// The job's pid (its process group), written by the guard once the job started, in the file
 /// its exit record is later written over and renamed from: one file per attempt fewer, and
-/// creating files is most of what an attempt costs the filesystem. Only a guard that died
-/// while writing its record leaves it unreadable, and that guard had waited for the group to
-/// be empty.
+/// creating files is most of what an attempt costs the filesystem. A guard that died while
+/// writing its record (after the group was empty) leaves it unreadable; one that died before
+/// writing the pid, or could not write it (a full disk), leaves none, and then only the job's
+/// own parent-death signal ends it, not its descendants.
 pub fn pid_path(dir: &Path, name: &str) -> PathBuf {
     dir.join(format!("{name}.exit.tmp"))
 }

@@ -392,15 +392,23 @@ fn reap_orphans() {
 /// is left alone: its status is the attempt's (`try_wait`); a job that exited stops the round,
 /// and the end of the attempt reaps the rest.
 fn reap_orphans_but(job: Pid) {
-    use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag};
-    let peek = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
-    while let Ok(status) = waitid(Id::All, peek) {
-        match status.pid() {
-            Some(p) if p != job => {
-                let _ = waitpid(p, Some(WaitPidFlag::WNOHANG));
-            }
-            _ => break,
+    use nix::libc;
+    loop {
+        // `libc` rather than nix's `waitid`, which fails to decode a child killed by a
+        // realtime signal: that zombie would come first at every peek and stop the reaping.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let peek = libc::WEXITED | libc::WNOHANG | libc::WNOWAIT;
+        // SAFETY: `info` is a valid, writable siginfo_t for the call's duration.
+        if unsafe { libc::waitid(libc::P_ALL, 0, &mut info, peek) } != 0 {
+            return;
         }
+        // SAFETY: filled by waitid (zero when no child has exited).
+        let pid = unsafe { info.si_pid() };
+        if pid == 0 || pid == job.as_raw() {
+            return;
+        }
+        // SAFETY: reaps exactly the exited child just peeked at; no status is needed.
+        unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
     }
 }
 

@@ -244,8 +244,10 @@ async fn run(inc: Arc<Incarnation>, a: Assignment, token: i64, mut ctl: watch::R
         report(&inc, &keys, &id, token, reject(why)).await;
         return;
     }
-    // An earlier job of this id may have left a record of the same name here.
+    // An earlier job of this id (or a requeued attempt) may have left a record of the same
+    // name here, or the pid of a guard that died: neither is this attempt's.
     let _ = std::fs::remove_file(record::exit_path(&dir, &name));
+    let _ = std::fs::remove_file(record::pid_path(&dir, &name));
     let mut env = a.spec.env.clone();
     env.insert("BATON_JOB_ID".into(), id.clone());
     env.insert("BATON_JOB_DIR".into(), dir.display().to_string());

@@ -1,13 +1,16 @@
 //! The root of the jobs' folders (`<storage>/jobs`), spread over the filesystem.
 //!
 //! Every attempt creates a folder and a few files in it, and cleanup removes them, so a busy
-//! worker frees inodes by the thousand. ext4 without a journal will not reuse an inode freed
-//! in the last 30 seconds, and looks for a free one from the start of the block group every
-//! time: with every job's folder in one group, each new file walked past all the recently
+//! worker frees inodes by the thousand. ext4 without a journal skips, for a minute or more, an
+//! inode freed recently, and looks for a free one from the start of the group every time:
+//! with every job's folder in one (flex) group, each new file walked past all the recently
 //! freed ones, and that walk cost more CPU than the job and its guard together (`perf`, the
 //! end-to-end benchmark on a journal-less ext4 root). Marking the root as a top of directory
-//! hierarchies (`chattr +T`) makes ext4 place each job's folder, and so its files, in a group
-//! of its own choosing, as it does for folders at the filesystem's root.
+//! hierarchies (`chattr +T`) makes ext4's Orlov allocator place each job's folder, and so its
+//! files, in a flex group of its own choosing, as it does for folders at the filesystem's
+//! root. With a journal there is no walk to avoid, and the flag costs a look at every flex
+//! group's counters per folder made. The flag is set at every start (a `chattr -T` by hand
+//! lasts until the next).
 
 use std::path::{Path, PathBuf};
 
@@ -15,15 +18,19 @@ use std::path::{Path, PathBuf};
 const FS_TOPDIR_FL: nix::libc::c_int = 0x0002_0000;
 
 /// Creates `<storage>/jobs` and marks it as a top directory where the filesystem has the
-/// notion (ext2/3/4); elsewhere, and where the flag cannot be set, the folder is made all
-/// the same.
-pub fn prepare(storage: &Path) -> std::io::Result<PathBuf> {
+/// notion (ext2/3/4). Never fails a start: a folder that cannot be made is each attempt's
+/// error (its assignment rejected with the reason), as before, and a flag that cannot be set
+/// (tmpfs, xfs, overlayfs, a foreign owner) leaves the folders where the filesystem puts them.
+pub fn prepare(storage: &Path) -> PathBuf {
     let root = storage.join("jobs");
-    std::fs::create_dir_all(&root)?;
+    if let Err(e) = std::fs::create_dir_all(&root) {
+        tracing::warn!(dir = %root.display(), error = %e, "cannot create the jobs' folder root; jobs assigned here will be rejected until it can be");
+        return root;
+    }
     if let Err(e) = mark_top(&root) {
         tracing::debug!(dir = %root.display(), error = %e, "jobs' folders stay where the filesystem puts them");
     }
-    Ok(root)
+    root
 }
 
 fn mark_top(dir: &Path) -> std::io::Result<()> {
@@ -51,9 +58,17 @@ mod tests {
     #[test]
     fn the_root_is_made_and_a_second_prepare_changes_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let root = prepare(dir.path()).unwrap();
+        let root = prepare(dir.path());
         assert!(root.is_dir());
-        prepare(dir.path()).unwrap();
+        prepare(dir.path());
         assert!(root.is_dir());
+    }
+
+    #[test]
+    fn a_root_that_cannot_be_made_is_no_error_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("jobs"), "a file where the folder goes").unwrap();
+        let root = prepare(dir.path());
+        assert!(root.is_file());
     }
 }
