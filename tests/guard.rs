@@ -15,7 +15,7 @@ use baton::clock::BootInstant;
 use baton::exec::guard::{Spec, NOT_STARTED, PROTOCOL};
 use baton::exec::program::{GuardKind, GuardProgram};
 use baton::exec::record::{read_exit, KilledBy, LedgerEntry};
-use support::{alive, line_count, read_pids, wait_until, GUARD_BIN};
+use support::{alive, line_count, read_pids, stat_field, wait_until, GUARD_BIN};
 
 fn spec(dir: &Path, timeout_ms: u64, command: &[&str]) -> Spec {
     Spec {
@@ -182,16 +182,13 @@ async fn renewals_keep_the_job_alive_and_a_closed_pipe_kills_it_at_once() {
 
 /// Zombie children of `guard`, from /proc (by parent, so a reused pid cannot confuse it).
 fn zombies_of(guard: i32) -> usize {
+    let guard = guard.to_string();
     std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
-        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
-        .filter(|stat| {
-            let Some((_, rest)) = stat.rsplit_once(')') else {
-                return false;
-            };
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            f.first() == Some(&"Z") && f.get(1) == Some(&guard.to_string().as_str())
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&p| {
+            stat_field(p, 4).as_ref() == Some(&guard) && stat_field(p, 3).as_deref() == Some("Z")
         })
         .count()
 }

@@ -65,13 +65,6 @@ fn threads_of(pid: i32) -> usize {
         .unwrap_or(0)
 }
 
-/// Field `n` (1-based, as in proc(5)) of `/proc/<pid>/stat`.
-fn stat_field(pid: i32, n: usize) -> Option<String> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let (_, rest) = stat.rsplit_once(')')?;
-    rest.split_whitespace().nth(n - 3).map(str::to_string)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_hundred_jobs_started_at_once_cost_no_lease_and_start_once_each() {
     const N: usize = 300;

@@ -82,10 +82,15 @@ impl StartError {
 
 pub const EXIT_RECORD_VERSION: u32 = 1;
 
+/// `<storage>/jobs`: where the jobs' folders are.
+pub fn jobs_root(storage: &Path) -> PathBuf {
+    storage.join("jobs")
+}
+
 /// `<storage>/jobs/<job>`: the folder of a job on the host that runs it (scratch for one
 /// attempt at a time; another worker's attempt gets another host's folder).
 pub fn job_dir(storage: &Path, job_id: &str) -> PathBuf {
-    storage.join("jobs").join(job_id)
+    jobs_root(storage).join(job_id)
 }
 
 pub fn exit_path(dir: &Path, name: &str) -> PathBuf {

@@ -263,7 +263,7 @@ fn guard(args: Spec) -> std::io::Result<i32> {
             let mut pause = Duration::from_millis(1);
             loop {
                 let _ = killpg(group, Signal::SIGKILL);
-                reap_orphans();
+                reap_orphans(group);
                 match killpg(group, None) {
                     Err(nix::errno::Errno::ESRCH) => break,
                     // Only zombies left (their parent left the group and never reaps them):
@@ -310,7 +310,7 @@ fn guard(args: Spec) -> std::io::Result<i32> {
             ledger(&args, "end", pid, Some(&rec));
             return Ok(0);
         }
-        reap_orphans_but(group);
+        reap_orphans(group);
         // Sleep until the job exits, the leader speaks, a signal comes, or the next deadline;
         // at most half the margin, as poll's clock stops while the host is suspended.
         let mut next = deadline - t.margin;
@@ -376,22 +376,12 @@ fn only_zombies(pgid: i32) -> bool {
     true
 }
 
-/// Reaps every exited descendant that was handed to the guard as their subreaper.
-fn reap_orphans() {
-    use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
-    while let Ok(status) = waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-        if status == WaitStatus::StillAlive {
-            break;
-        }
-    }
-}
-
-/// While the job runs: reaps the exited descendants handed to the guard as their subreaper,
-/// so a job that leaves short-lived processes behind (a daemonizing script, a shell's `&`)
-/// does not fill the host's process table with zombies for as long as it runs. The job itself
-/// is left alone: its status is the attempt's (`try_wait`); a job that exited stops the round,
-/// and the end of the attempt reaps the rest.
-fn reap_orphans_but(job: Pid) {
+/// Reaps the exited descendants handed to the guard as their subreaper, all but the job: while
+/// it runs, so a job that leaves short-lived processes behind (a daemonizing script, a shell's
+/// `&`) does not fill the host's process table with zombies for as long as it runs, and after
+/// it, until its group is empty. The job's status is the attempt's (`try_wait`); a job that
+/// exited and is not reaped yet ends the round.
+fn reap_orphans(job: Pid) {
     use nix::libc;
     loop {
         // `libc` rather than nix's `waitid`, which fails to decode a child killed by a

@@ -12,7 +12,9 @@
 //! group's counters per folder made. The flag is set at every start (a `chattr -T` by hand
 //! lasts until the next).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use crate::exec::record::jobs_root;
 
 /// `FS_TOPDIR_FL` of `linux/fs.h`, which the `libc` crate does not export.
 const FS_TOPDIR_FL: nix::libc::c_int = 0x0002_0000;
@@ -21,16 +23,15 @@ const FS_TOPDIR_FL: nix::libc::c_int = 0x0002_0000;
 /// notion (ext2/3/4). Never fails a start: a folder that cannot be made is each attempt's
 /// error (its assignment rejected with the reason), as before, and a flag that cannot be set
 /// (tmpfs, xfs, overlayfs, a foreign owner) leaves the folders where the filesystem puts them.
-pub fn prepare(storage: &Path) -> PathBuf {
-    let root = storage.join("jobs");
+pub fn prepare(storage: &Path) {
+    let root = jobs_root(storage);
     if let Err(e) = std::fs::create_dir_all(&root) {
         tracing::warn!(dir = %root.display(), error = %e, "cannot create the jobs' folder root; jobs assigned here will be rejected until it can be");
-        return root;
+        return;
     }
     if let Err(e) = mark_top(&root) {
         tracing::debug!(dir = %root.display(), error = %e, "jobs' folders stay where the filesystem puts them");
     }
-    root
 }
 
 fn mark_top(dir: &Path) -> std::io::Result<()> {
@@ -58,7 +59,8 @@ mod tests {
     #[test]
     fn the_root_is_made_and_a_second_prepare_changes_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let root = prepare(dir.path());
+        prepare(dir.path());
+        let root = jobs_root(dir.path());
         assert!(root.is_dir());
         prepare(dir.path());
         assert!(root.is_dir());
@@ -68,7 +70,7 @@ mod tests {
     fn a_root_that_cannot_be_made_is_no_error_at_start() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("jobs"), "a file where the folder goes").unwrap();
-        let root = prepare(dir.path());
-        assert!(root.is_file());
+        prepare(dir.path());
+        assert!(jobs_root(dir.path()).is_file());
     }
 }

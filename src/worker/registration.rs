@@ -158,9 +158,7 @@ pub(super) async fn revoke_until_gone(store: &Store, lease: &Lease, stop: &Cance
 /// are clean). Folders of live jobs stay: on a shared scratch folder, another worker may run
 /// them.
 pub(super) async fn sweep(store: &Store, keys: &Keys, config: &WorkerConfig) {
-    let root = record::job_dir(&config.storage_dir, "x");
-    let Some(root) = root.parent() else { return };
-    let Ok(entries) = std::fs::read_dir(root) else {
+    let Ok(entries) = std::fs::read_dir(record::jobs_root(&config.storage_dir)) else {
         return;
     };
     let mut removed = 0;

@@ -665,6 +665,13 @@ pub fn terminal(j: &Job) -> bool {
     )
 }
 
+/// Field `n` (1-based, as in proc(5)) of `/proc/<pid>/stat`.
+pub fn stat_field(pid: i32, n: usize) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(n - 3).map(str::to_string)
+}
+
 /// Whether a process is alive (a zombie counts as dead).
 pub fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
