@@ -67,10 +67,15 @@ pub async fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<Failover> {
 }
 
 /// Every replica answers and knows the leader again.
-async fn settle(c: &BenchCluster) {
+/// Waits until every replica knows the leader of `term` and, with fast failover, every other
+/// replica watches it: a round that kills the leader before a follower holds its stream would
+/// measure the lease TTL, not the fast path.
+async fn settle(c: &BenchCluster, leader: usize, term: i64, fast: bool) {
     for i in 0..c.replicas.len() {
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !c.follows(i).await && Instant::now() < deadline {
+        let watches =
+            |c: &BenchCluster| !fast || i == leader || c.replicas[i].watches_leader_of(term);
+        while !(watches(c) && c.follows(i).await) && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -108,7 +113,7 @@ async fn one(
         Vec::new(),
     );
     for round in 0..args.failovers * 3 {
-        settle(&c).await;
+        settle(&c, leader, term, fast).await;
         let job = format!("pinned-{round}");
         if round % 3 == 0 {
             pin_job(&c, &job, &format!("r{}", leader + 1)).await?;

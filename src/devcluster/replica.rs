@@ -149,6 +149,16 @@ impl ReplicaProcess {
         rolelog::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", self.role_log_path().display()))
     }
 
+    /// Whether this replica has logged that it watches the leader of `term` (fast failover):
+    /// only then would it act on that leader's death within milliseconds.
+    pub fn watches_leader_of(&self, term: i64) -> bool {
+        let needle = format!("\"term\":{term},");
+        std::fs::read_to_string(self.log_path())
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l.contains("\"watching the leader\"") && l.contains(&needle))
+    }
+
     fn signal(&self, s: Signal) {
         if self.exit.is_none() {
             let _ = kill(Pid::from_raw(self.pid()), s);

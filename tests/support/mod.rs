@@ -772,9 +772,7 @@ pub fn revokes(c: &Cluster) -> Vec<RoleEvent> {
 
 /// Whether replica `i` has logged that it watches the leader of `term` (fast failover).
 pub fn watching(c: &Cluster, i: usize, term: i64) -> bool {
-    c.log_of(i)
-        .lines()
-        .any(|l| l.contains("\"watching the leader\"") && l.contains(&format!("\"term\":{term},")))
+    c.replicas[i].watches_leader_of(term)
 }
 
 /// Notes each execution (`<attempt> <worker>`) in `out/<id>`, runs until `out/<gate>` exists.
