@@ -213,6 +213,23 @@ impl BenchCluster {
         )
     }
 
+    /// Waits until replica `i` [follows](BenchCluster::follows): a replica whose leader already
+    /// serves may itself still be starting, and refuses connections until it listens.
+    pub async fn wait_follows(&self, i: usize, within: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + within;
+        while !self.follows(i).await {
+            if Instant::now() >= deadline {
+                return Err(anyhow!(
+                    "replica {} knew no leader within {within:?} (logs in {})",
+                    self.replicas[i].id(),
+                    self.dir.display()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
     /// Every role event of every replica.
     pub fn role_events(&self) -> Vec<RoleEvent> {
         self.replicas.iter().flat_map(|r| r.role_events()).collect()

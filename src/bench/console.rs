@@ -150,6 +150,8 @@ async fn paging(args: &BenchArgs, dir: &Path, n: usize) -> anyhow::Result<Vec<Vi
     let bound = Duration::from_secs(120) + Duration::from_millis(2) * n as u32;
     let (leader, term) = c.wait_leader(0, bound).await?;
     recovery::wait_recovered(&c, term, bound).await?;
+    c.wait_follows((leader + 1) % c.replicas.len(), bound)
+        .await?;
     let follower = c.http[(leader + 1) % c.http.len()];
     let http = client();
     let mid = |kind: &str, count: usize| format!("{kind}-{:04}", count / 2 / 100);

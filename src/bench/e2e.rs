@@ -95,6 +95,7 @@ pub async fn measure(
     let store = c.store().await?;
     wait_workers(&store, &keys, args.workers).await?;
     let follower = (leader + 1) % c.replicas.len();
+    c.wait_follows(follower, Duration::from_secs(60)).await?;
     let client = c.jobs_client(follower).await?;
     let streams = match consoles {
         Some(n) => Some(super::console::open_streams(c.http[follower], n).await?),

@@ -203,10 +203,7 @@ pub async fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<Schedules> {
         c.replicas[leader].restart()?;
         (leader, term) = (next, next_term);
         for i in 0..c.replicas.len() {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while !c.follows(i).await && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            c.wait_follows(i, Duration::from_secs(30)).await?;
         }
     }
 

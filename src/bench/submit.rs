@@ -50,6 +50,7 @@ pub async fn run(args: &BenchArgs, dir: &Path) -> anyhow::Result<Vec<Point>> {
     let c = BenchCluster::start(args, dir, Shape::coordinators(3))?;
     let (leader, _) = c.wait_leader(0, Duration::from_secs(60)).await?;
     let follower = (leader + 1) % c.replicas.len();
+    c.wait_follows(follower, Duration::from_secs(60)).await?;
     let client = c.jobs_client(follower).await?;
     let store = c.store().await?;
     let raw_keys = Keys::new("bench-raw");
