@@ -150,6 +150,37 @@ async fn a_worker_sigterm_lets_a_short_job_finish_and_moves_a_long_one_at_its_dr
     );
 }
 
+/// Submits 2 s jobs, four at a time, until one runs on worker `name`. The leader places a job on
+/// the worker with the most free slots among those it has seen, and a worker that registered a
+/// moment ago (or came back from a roll) may not be among them yet: etcd delivers the workers'
+/// events on their own watch, up to its sync interval behind the registry's.
+async fn feed_until_one_runs_on(
+    c: &Cluster,
+    out: &std::path::Path,
+    name: &str,
+    ids: &mut Vec<String>,
+    next: &mut usize,
+) {
+    let fed = Instant::now();
+    loop {
+        for _ in 0..4 {
+            let id = format!("r{next}");
+            c.submit(*next % 3, &id, brief(out, 2.0)).await;
+            ids.push(id);
+            *next += 1;
+        }
+        let look_until = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < look_until {
+            let workers = workers_at(c, 0).await;
+            if workers.iter().any(|x| x.worker_id == name && x.running > 0) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(fed.elapsed() < LONG, "no job ran on {name} within {LONG:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_of_two_workers_loses_nothing_and_runs_nothing_twice() {
     let mut c = Cluster::start(worker_opts(2, &["--drain-timeout", "30s"]));
@@ -165,20 +196,7 @@ async fn a_rolling_restart_of_two_workers_loses_nothing_and_runs_nothing_twice()
     let mut next = 20;
     for w in 0..2 {
         let name = format!("w{}", w + 1);
-        for _ in 0..4 {
-            let id = format!("r{next}");
-            c.submit(next % 3, &id, brief(&out, 2.0)).await;
-            ids.push(id);
-            next += 1;
-        }
-        wait_for("a job to run on the worker about to roll", LONG, || async {
-            workers_at(&c, 0)
-                .await
-                .iter()
-                .any(|x| x.worker_id == name && x.running > 0)
-                .then_some(())
-        })
-        .await;
+        feed_until_one_runs_on(&c, &out, &name, &mut ids, &mut next).await;
         c.workers[w].sigterm();
         let rolled = Instant::now();
         // Submissions continue while the worker drains and comes back.
