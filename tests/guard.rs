@@ -15,7 +15,7 @@ use baton::clock::BootInstant;
 use baton::exec::guard::{Spec, NOT_STARTED, PROTOCOL};
 use baton::exec::program::{GuardKind, GuardProgram};
 use baton::exec::record::{read_exit, KilledBy, LedgerEntry};
-use support::{alive, line_count, read_pids, stat_field, wait_until, GUARD_BIN};
+use support::{alive, guard_bin, line_count, read_pids, stat_field, wait_until};
 
 fn spec(dir: &Path, timeout_ms: u64, command: &[&str]) -> Spec {
     Spec {
@@ -39,12 +39,12 @@ fn spec(dir: &Path, timeout_ms: u64, command: &[&str]) -> Spec {
 }
 
 fn start(spec: &Spec) -> Child {
-    start_with(Command::new(GUARD_BIN), spec)
+    start_with(Command::new(guard_bin()), spec)
 }
 
 /// Starts the guard as a worker does: through the descriptor of the program it opened.
 fn start_as_worker(spec: &Spec) -> Child {
-    let program = GuardProgram::open(std::path::Path::new(GUARD_BIN), GuardKind::Small).unwrap();
+    let program = GuardProgram::open(std::path::Path::new(guard_bin()), GuardKind::Small).unwrap();
     let json = serde_json::to_string(spec).unwrap();
     let mut cmd = program.command(["run", json.as_str()]);
     let child = cmd
@@ -332,6 +332,18 @@ async fn the_job_runs_niced_as_the_direct_child_of_the_small_guard() {
     assert_eq!(exe.file_name().unwrap(), "baton-guard", "{exe:?}");
     let comm = std::fs::read_to_string(format!("/proc/{guard}/comm")).unwrap();
     assert_eq!(comm.trim(), "baton-guard");
+    // As it ships (scripts/build-guard): statically linked, so no loader or shared library
+    // is mapped into it.
+    let maps = std::fs::read_to_string(format!("/proc/{guard}/maps")).unwrap();
+    let shared: std::collections::BTreeSet<&str> = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .filter(|path| path.contains(".so"))
+        .collect();
+    assert!(
+        shared.is_empty(),
+        "the guard maps shared objects: {shared:?}"
+    );
     let (_, own_nice) = parent_and_nice(std::process::id() as i32);
     let (_, guard_nice) = parent_and_nice(guard);
     assert_eq!(
@@ -425,7 +437,7 @@ fn every_execution_leaves_a_start_and_an_end_line_in_the_ledger() {
 
 #[test]
 fn the_guard_answers_its_protocol_and_refuses_a_bad_spec() {
-    for (bin, pre) in [(GUARD_BIN, None), (support::BIN, Some("__guard"))] {
+    for (bin, pre) in [(guard_bin(), None), (support::BIN, Some("__guard"))] {
         let out = Command::new(bin)
             .args(pre)
             .arg("protocol")
@@ -443,7 +455,7 @@ fn the_guard_answers_its_protocol_and_refuses_a_bad_spec() {
         ..spec(&dir.path().join("job"), 1000, &["touch", "ran"])
     })
     .unwrap();
-    let out = Command::new(GUARD_BIN)
+    let out = Command::new(guard_bin())
         .args(["run", &bad])
         .stdin(Stdio::null())
         .output()

@@ -20,7 +20,7 @@ fn own_guard(dir: &Path) -> PathBuf {
     let bin = dir.join("bin");
     std::fs::create_dir_all(&bin).unwrap();
     let path = bin.join("baton-guard");
-    std::fs::copy(GUARD_BIN, &path).unwrap();
+    std::fs::copy(guard_bin(), &path).unwrap();
     path
 }
 

@@ -41,7 +41,7 @@ impl GuardKind {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProgramError {
-    #[error("cannot open the guard binary {path}: {source} (install baton-guard next to baton, or give --guard-bin)")]
+    #[error("cannot open the guard binary {path}: {source} (install baton-guard next to baton, as scripts/build-guard does, or give --guard-bin)")]
     Open {
         path: PathBuf,
         #[source]

@@ -16,7 +16,22 @@ pub mod browser;
 pub mod pki;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_baton");
-pub const GUARD_BIN: &str = env!("CARGO_BIN_EXE_baton-guard");
+
+/// `baton-guard` next to [`BIN`], where the worker finds it by default: `make build` and
+/// `make test` put the shipped (static, musl) build there through `scripts/build-guard`.
+pub fn guard_bin() -> &'static str {
+    static PATH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let path = std::path::Path::new(BIN).with_file_name("baton-guard");
+        assert!(
+            path.is_file(),
+            "no guard program at {}: build it with `./scripts/build-guard` (make build and make \
+             test do), which needs the musl target that ./scripts/install-deps adds",
+            path.display()
+        );
+        path.to_string_lossy().into_owned()
+    })
+}
 
 /// Starts etcd (`BATON_ETCD_BIN`, else `etcd` on the PATH), or fails the test with the install
 /// hint when the binary is missing.
