@@ -24,7 +24,7 @@ deps:
 # baton-guard is built statically against musl and installed next to baton (scripts/build-guard).
 build: deps
 	$(CARGO) build --bin baton
-	./scripts/build-guard
+	CARGO=$(CARGO) ./scripts/build-guard
 
 run: build
 	./target/debug/baton dev
@@ -32,7 +32,7 @@ run: build
 # `make screenshots`: the README's pictures (docs/screenshots/*.png), taken in a real headless
 # Chromium from a real cluster by the console test that always takes them.
 screenshots: deps
-	./scripts/build-guard
+	CARGO=$(CARGO) ./scripts/build-guard
 	BATON_SCREENSHOTS=$(abspath docs/screenshots) $(CARGO) test --test console screenshots
 
 lint: deps
@@ -52,11 +52,11 @@ $(VENV)/.installed: tests/tools/requirements.txt
 TARGET_DIR ?= $(if $(CARGO_TARGET_DIR),$(CARGO_TARGET_DIR),target)
 test: lint pydeps
 	$(CARGO) build --release --bin baton
-	./scripts/build-guard --release
-	./scripts/build-guard
+	CARGO=$(CARGO) ./scripts/build-guard --release
+	CARGO=$(CARGO) ./scripts/build-guard
 	BATON_TEST_PYTHON=$(abspath $(VENV))/bin/python \
 	BATON_TEST_RELEASE_BIN=$(abspath $(TARGET_DIR)/release/baton) \
-	$(CARGO) test -- --test-threads=$(TEST_THREADS)
+	$(CARGO) test -p baton -p baton-guard -- --test-threads=$(TEST_THREADS)
 	# The protocol model (model/): no faults, one fault of each kind, the mutation controls;
 	# optimised, as the state space is large.
 	# Its replay test runs a drill with the release binary and replays its history.

@@ -3,7 +3,8 @@
 //! average and the step-downs meanwhile (the goal is none); and how long a new leader takes to
 //! recover them after a SIGKILL.
 //!
-//! `cargo bench --bench jobs` (env: SUBMITS, RECOVER_JOBS, MAX_STARTS_PER_SECOND).
+//! `./scripts/build-guard --release && cargo bench --bench jobs` (env: SUBMITS, RECOVER_JOBS,
+//! MAX_STARTS_PER_SECOND): the workers run the guard next to the release `baton`.
 
 #[path = "../tests/support/mod.rs"]
 mod support;

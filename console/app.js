@@ -278,7 +278,7 @@ function liveView(name, load, relevant) {
     load,
     render() {
       this.reload = throttled(() => this.load());
-      this.load();
+      this.reload();
     },
     onUpdate(msg) {
       if (relevant(msg)) this.reload();
@@ -290,23 +290,45 @@ function jobsChanged(msg) {
   return msg.changed.jobs === "all" || msg.changed.jobs.length > 0;
 }
 
-/// Calls `load` at most once a second while updates keep coming.
+/// Calls `load` at most once a second while updates keep coming, and never while a call still
+/// runs: a request meanwhile runs it once more after that call ends. Two reads in flight could
+/// answer out of order, and an older answer drawn last would stay on screen until the next
+/// update, which may never come.
 function throttled(load) {
   let last = 0;
   let timer = null;
-  return () => {
+  let running = false;
+  let again = false;
+  const run = async () => {
+    running = true;
+    last = Date.now();
+    try {
+      await load();
+    } finally {
+      running = false;
+    }
+    if (again) {
+      again = false;
+      request();
+    }
+  };
+  const request = () => {
+    if (running) {
+      again = true;
+      return;
+    }
     const wait = last + 1000 - Date.now();
     if (wait <= 0) {
-      last = Date.now();
-      load();
+      run();
     } else if (!timer) {
       timer = setTimeout(() => {
         timer = null;
-        last = Date.now();
-        load();
+        if (running) again = true;
+        else run();
       }, wait);
     }
   };
+  return request;
 }
 
 function countsBox() {
@@ -381,17 +403,27 @@ const jobsView = {
   query: { state: "", cleanup: "", id_prefix: "" },
   tokens: [""],
   page: null,
+  // Loads come from filters, the pager and updates alike; only the answer to the newest is drawn.
+  issued: 0,
   async load() {
+    const mine = ++this.issued;
     const q = new URLSearchParams({ page_size: "50" });
     for (const [k, v] of Object.entries(this.query)) if (v) q.set(k, v);
     // A live view: each page at the newest revision, from the id the token holds.
     const t = this.tokens[this.tokens.length - 1].replace(/^\d+\//, "0/");
     if (t) q.set("page_token", t);
+    let page, error;
     try {
-      this.page = await api("GET", "/api/v1/jobs?" + q);
-      clearError();
+      page = await api("GET", "/api/v1/jobs?" + q);
     } catch (e) {
-      showError(e);
+      error = e;
+    }
+    if (mine !== this.issued) return;
+    if (error) {
+      showError(error);
+    } else {
+      this.page = page;
+      clearError();
     }
     this.draw();
   },
@@ -633,7 +665,7 @@ function jobView(id) {
     },
     render() {
       this.reload = throttled(() => this.load());
-      this.load();
+      this.reload();
     },
     onUpdate(msg) {
       if (msg.changed.jobs === "all" || msg.changed.jobs.includes(id)) this.reload();

@@ -93,16 +93,27 @@ impl Spec {
     }
 }
 
-const USAGE: &str = "usage: baton-guard run <spec as JSON> | baton-guard protocol\n\
+/// A fingerprint of the sources this guard was built from (guard/build.rs): the program is
+/// built apart from `baton` (scripts/build-guard), so the tests check that the one they run
+/// was built from the code beside them.
+pub const SOURCE: &str = env!("BATON_GUARD_SOURCE");
+
+const USAGE: &str =
+    "usage: baton-guard run <spec as JSON> | baton-guard protocol | baton-guard source\n\
     (started by a Baton worker, not by hand)";
 
-/// The program: `run <spec>` runs one execution, `protocol` prints [`PROTOCOL`]. Returns the
+/// The program: `run <spec>` runs one execution, `protocol` prints [`PROTOCOL`], `source`
+/// prints [`SOURCE`]. Returns the
 /// process exit code.
 pub fn main(args: impl IntoIterator<Item = OsString>) -> i32 {
     let args: Vec<OsString> = args.into_iter().collect();
     match args.first().and_then(|a| a.to_str()) {
         Some("protocol") if args.len() == 1 => {
             println!("{PROTOCOL}");
+            0
+        }
+        Some("source") if args.len() == 1 => {
+            println!("{SOURCE}");
             0
         }
         Some("run") if args.len() == 2 => {
@@ -209,5 +220,7 @@ mod tests {
         .unwrap();
         assert_eq!(main(["run".into(), old.into()]), GUARD_FAILED);
         assert_eq!(main(["protocol".into()]), 0);
+        assert_eq!(main(["source".into()]), 0);
+        assert_eq!(SOURCE.len(), 16, "{SOURCE}");
     }
 }

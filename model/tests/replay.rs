@@ -16,7 +16,8 @@ fn history() -> &'static [Step] {
             .map(PathBuf::from)
             .expect(
                 "BATON_TEST_RELEASE_BIN must name a built baton binary: run `make test`, or \
-             `cargo build --release --bin baton` and set it to target/release/baton",
+             `cargo build --release --bin baton && ./scripts/build-guard --release` and set it to \
+             target/release/baton",
             );
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("history.jsonl");

@@ -106,12 +106,23 @@ impl Browser {
     }
 
     /// Waits until the element matching `css` shows text that satisfies `ok`; returns it.
+    /// On a timeout, says what the element showed last.
     pub async fn wait_text(&self, what: &str, css: &str, ok: impl Fn(&str) -> bool) -> String {
-        wait_for(what, Duration::from_secs(45), || async {
-            let t = self.text_once(css).await?;
-            ok(&t).then_some(t)
-        })
-        .await
+        let mut last = None::<String>;
+        let within = Duration::from_secs(45);
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            if let Some(t) = self.text_once(css).await {
+                if ok(&t) {
+                    return t;
+                }
+                last = Some(t);
+            }
+            if std::time::Instant::now() >= deadline {
+                panic!("timed out after {within:?} waiting for {what}: {css} showed {last:?} last");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// How many elements match `css`.

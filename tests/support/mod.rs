@@ -18,15 +18,23 @@ pub mod pki;
 pub const BIN: &str = env!("CARGO_BIN_EXE_baton");
 
 /// `baton-guard` next to [`BIN`], where the worker finds it by default: `make build` and
-/// `make test` put the shipped (static, musl) build there through `scripts/build-guard`.
+/// `make test` put the shipped (static) build there through `scripts/build-guard`, which a
+/// bare `cargo test` does not run; so the program must answer `source` with the fingerprint of
+/// the guard's sources these tests were built from.
 pub fn guard_bin() -> &'static str {
     static PATH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     PATH.get_or_init(|| {
         let path = std::path::Path::new(BIN).with_file_name("baton-guard");
-        assert!(
-            path.is_file(),
-            "no guard program at {}: build it with `./scripts/build-guard` (make build and make \
-             test do), which needs the musl target that ./scripts/install-deps adds",
+        let built = std::process::Command::new(&path).arg("source").output();
+        let answer = match &built {
+            Ok(out) => String::from_utf8_lossy(&out.stdout).trim().to_string(),
+            Err(e) => format!("none ({e})"),
+        };
+        assert_eq!(
+            answer,
+            baton_guard::SOURCE,
+            "the guard program at {} was not built from these sources: run \
+             `./scripts/build-guard` (make build and make test do)",
             path.display()
         );
         path.to_string_lossy().into_owned()
@@ -34,8 +42,10 @@ pub fn guard_bin() -> &'static str {
 }
 
 /// Starts etcd (`BATON_ETCD_BIN`, else `etcd` on the PATH), or fails the test with the install
-/// hint when the binary is missing.
+/// hint when the binary is missing. Every test that starts etcd may start workers, whose guard
+/// program is checked first ([`guard_bin`]).
 pub fn start_etcd(dir: &std::path::Path, members: usize) -> EtcdCluster {
+    guard_bin();
     let bin = std::env::var_os("BATON_ETCD_BIN").unwrap_or_else(|| "etcd".into());
     match EtcdCluster::start(std::path::Path::new(&bin), dir, members) {
         Ok(c) => c,
