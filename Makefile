@@ -38,6 +38,8 @@ screenshots: deps
 lint: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	# The guard's program is built only with its `ship` feature (scripts/build-guard).
+	$(CARGO) clippy -p baton-guard --features ship --all-targets -- -D warnings
 
 pydeps: $(VENV)/.installed
 

@@ -1,7 +1,8 @@
 //! Failover figures: time from SIGKILL / SIGTERM of the leader until every surviving replica's
 //! `GetLeader` names a new leader. Median and max of `ROUNDS` (default 10) per TTL.
 //!
-//! `cargo bench --bench failover` (env: ROUNDS, TTLS="2,5").
+//! `./scripts/build-guard --release && cargo bench --bench failover` (env: ROUNDS, TTLS="2,5"):
+//! the replicas' workers run the guard next to the release `baton`.
 
 #[path = "../tests/support/mod.rs"]
 mod support;

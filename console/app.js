@@ -88,16 +88,31 @@ class ApiError extends Error {
   }
 }
 
+/// Bumped whenever what `main` shows is drawn anew (a route, a view's render): the answer to a
+/// read issued before is thrown away ([`Stale`]), so a slow answer for an earlier page never
+/// draws over the current one.
+let epoch = 0;
+
+class Stale extends Error {}
+
+/// How long a read may take before it counts as failed (a hung read would hold its view's
+/// reloads, which never overlap).
+const READ_TIMEOUT_MS = 15000;
+
 async function api(method, path, body) {
+  const at = epoch;
   const headers = {};
   if (token) headers["Authorization"] = "Bearer " + token;
   const init = { method, headers, cache: "no-store" };
   if (method !== "GET") {
     headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body || {});
+  } else {
+    init.signal = AbortSignal.timeout(READ_TIMEOUT_MS);
   }
   const r = await fetch(path, init);
   const text = await r.text();
+  if (method === "GET" && at !== epoch) throw new Stale("an answer for an earlier page");
   if (!r.ok) {
     let e = { code: String(r.status), message: text };
     try {
@@ -111,6 +126,7 @@ async function api(method, path, body) {
 }
 
 function showError(e) {
+  if (e instanceof Stale) return;
   const box = $("error");
   clear(box).append(h("span", {}, e instanceof ApiError ? `${e.code}: ${e.message}` : String(e && e.message ? e.message : e)));
   box.hidden = false;
@@ -277,6 +293,7 @@ function liveView(name, load, relevant) {
     name,
     load,
     render() {
+      stopReloads(this);
       this.reload = throttled(() => this.load());
       this.reload();
     },
@@ -294,11 +311,15 @@ function jobsChanged(msg) {
 /// runs: a request meanwhile runs it once more after that call ends. Two reads in flight could
 /// answer out of order, and an older answer drawn last would stay on screen until the next
 /// update, which may never come.
+/// Each call starts a new epoch (a view renders anew); `stop()` ends its calls when the view
+/// is left or rendered again.
 function throttled(load) {
+  epoch++;
   let last = 0;
   let timer = null;
   let running = false;
   let again = false;
+  let stopped = false;
   const run = async () => {
     running = true;
     last = Date.now();
@@ -306,13 +327,14 @@ function throttled(load) {
       await load();
     } finally {
       running = false;
-    }
-    if (again) {
-      again = false;
-      request();
+      if (again) {
+        again = false;
+        request();
+      }
     }
   };
   const request = () => {
+    if (stopped) return;
     if (running) {
       again = true;
       return;
@@ -323,12 +345,23 @@ function throttled(load) {
     } else if (!timer) {
       timer = setTimeout(() => {
         timer = null;
+        if (stopped) return;
         if (running) again = true;
         else run();
       }, wait);
     }
   };
+  request.stop = () => {
+    stopped = true;
+    if (timer) clearTimeout(timer);
+    timer = null;
+  };
   return request;
+}
+
+/// A view's reloads from its last render, stopped.
+function stopReloads(v) {
+  if (v && v.reload && v.reload.stop) v.reload.stop();
 }
 
 function countsBox() {
@@ -418,7 +451,7 @@ const jobsView = {
     } catch (e) {
       error = e;
     }
-    if (mine !== this.issued) return;
+    if (mine !== this.issued || error instanceof Stale) return;
     if (error) {
       showError(error);
     } else {
@@ -429,6 +462,7 @@ const jobsView = {
   },
   render() {
     this.tokens = [""];
+    stopReloads(this);
     this.reload = throttled(() => this.load());
     this.load();
   },
@@ -664,6 +698,7 @@ function jobView(id) {
       }
     },
     render() {
+      stopReloads(this);
       this.reload = throttled(() => this.load());
       this.reload();
     },
@@ -682,6 +717,8 @@ function jobView(id) {
 
 function route() {
   if (view && view.leave) view.leave();
+  stopReloads(view);
+  epoch++;
   const hash = location.hash || "#/";
   const parts = hash.slice(2).split("/");
   if (parts[0] === "jobs" && parts[1]) view = jobView(decodeURIComponent(parts[1]));
