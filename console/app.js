@@ -88,9 +88,9 @@ class ApiError extends Error {
   }
 }
 
-/// Bumped whenever what `main` shows is drawn anew (a route, a view's render): the answer to a
-/// read issued before is thrown away ([`Stale`]), so a slow answer for an earlier page never
-/// draws over the current one.
+/// Bumped whenever what `main` shows is drawn anew ([`retire`]): the answer to a read issued
+/// before is thrown away ([`Stale`]), so a slow answer for an earlier page never draws over the
+/// current one.
 let epoch = 0;
 
 class Stale extends Error {}
@@ -293,9 +293,7 @@ function liveView(name, load, relevant) {
     name,
     load,
     render() {
-      stopReloads(this);
-      this.reload = throttled(() => this.load());
-      this.reload();
+      renew(this);
     },
     onUpdate(msg) {
       if (relevant(msg)) this.reload();
@@ -310,11 +308,8 @@ function jobsChanged(msg) {
 /// Calls `load` at most once a second while updates keep coming, and never while a call still
 /// runs: a request meanwhile runs it once more after that call ends. Two reads in flight could
 /// answer out of order, and an older answer drawn last would stay on screen until the next
-/// update, which may never come.
-/// Each call starts a new epoch (a view renders anew); `stop()` ends its calls when the view
-/// is left or rendered again.
+/// update, which may never come. `stop()` ends its calls when the view is left or drawn anew.
 function throttled(load) {
-  epoch++;
   let last = 0;
   let timer = null;
   let running = false;
@@ -343,25 +338,33 @@ function throttled(load) {
     if (wait <= 0) {
       run();
     } else if (!timer) {
+      // Nothing runs meanwhile: a request sees the timer, and none is running to ask again.
       timer = setTimeout(() => {
         timer = null;
-        if (stopped) return;
-        if (running) again = true;
-        else run();
+        run();
       }, wait);
     }
   };
   request.stop = () => {
     stopped = true;
-    if (timer) clearTimeout(timer);
-    timer = null;
+    clearTimeout(timer);
   };
   return request;
 }
 
-/// A view's reloads from its last render, stopped.
-function stopReloads(v) {
+/// Ends what a view's last render started: its reloads stop, and answers to reads issued until
+/// now are dropped.
+function retire(v) {
   if (v && v.reload && v.reload.stop) v.reload.stop();
+  epoch++;
+}
+
+/// Draws view `v` anew: every load from here on goes through one fresh [`throttled`], the first
+/// at once, so no two of its reads are ever in flight together.
+function renew(v) {
+  retire(v);
+  v.reload = throttled(() => v.load());
+  v.reload();
 }
 
 function countsBox() {
@@ -436,35 +439,24 @@ const jobsView = {
   query: { state: "", cleanup: "", id_prefix: "" },
   tokens: [""],
   page: null,
-  // Loads come from filters, the pager and updates alike; only the answer to the newest is drawn.
-  issued: 0,
   async load() {
-    const mine = ++this.issued;
     const q = new URLSearchParams({ page_size: "50" });
     for (const [k, v] of Object.entries(this.query)) if (v) q.set(k, v);
     // A live view: each page at the newest revision, from the id the token holds.
     const t = this.tokens[this.tokens.length - 1].replace(/^\d+\//, "0/");
     if (t) q.set("page_token", t);
-    let page, error;
     try {
-      page = await api("GET", "/api/v1/jobs?" + q);
-    } catch (e) {
-      error = e;
-    }
-    if (mine !== this.issued || error instanceof Stale) return;
-    if (error) {
-      showError(error);
-    } else {
-      this.page = page;
+      this.page = await api("GET", "/api/v1/jobs?" + q);
       clearError();
+    } catch (e) {
+      if (e instanceof Stale) return;
+      showError(e);
     }
     this.draw();
   },
   render() {
     this.tokens = [""];
-    stopReloads(this);
-    this.reload = throttled(() => this.load());
-    this.load();
+    renew(this);
   },
   draw() {
     const main = clear($("main"));
@@ -496,8 +488,8 @@ const jobsView = {
     add(main, jobRows(p.jobs));
     if (p.scan_limit_reached) add(main, h("p", { class: "notice", id: "short-page" }, "This page is short: the scan limit was reached before it filled. More may follow."));
     const nav = h("p", { class: "pager" });
-    if (this.tokens.length > 1) add(nav, h("button", { type: "button", onclick: () => (this.tokens.pop(), this.load()) }, "Previous"));
-    if (p.next_page_token) add(nav, h("button", { type: "button", id: "next-page", onclick: () => (this.tokens.push(p.next_page_token), this.load()) }, "Next"));
+    if (this.tokens.length > 1) add(nav, h("button", { type: "button", onclick: () => (this.tokens.pop(), renew(this)) }, "Previous"));
+    if (p.next_page_token) add(nav, h("button", { type: "button", id: "next-page", onclick: () => (this.tokens.push(p.next_page_token), renew(this)) }, "Next"));
     add(main, nav);
   },
   onUpdate(msg) {
@@ -698,9 +690,7 @@ function jobView(id) {
       }
     },
     render() {
-      stopReloads(this);
-      this.reload = throttled(() => this.load());
-      this.reload();
+      renew(this);
     },
     onUpdate(msg) {
       if (msg.changed.jobs === "all" || msg.changed.jobs.includes(id)) this.reload();
@@ -717,8 +707,7 @@ function jobView(id) {
 
 function route() {
   if (view && view.leave) view.leave();
-  stopReloads(view);
-  epoch++;
+  retire(view);
   const hash = location.hash || "#/";
   const parts = hash.slice(2).split("/");
   if (parts[0] === "jobs" && parts[1]) view = jobView(decodeURIComponent(parts[1]));

@@ -9,7 +9,7 @@ use fantoccini::wd::WebDriverCompatibleCommand;
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::{json, Value};
 
-use super::wait_for;
+use super::{wait_for, wait_seeing};
 use baton::devcluster::free_port;
 
 pub struct Browser {
@@ -108,21 +108,13 @@ impl Browser {
     /// Waits until the element matching `css` shows text that satisfies `ok`; returns it.
     /// On a timeout, says what the element showed last.
     pub async fn wait_text(&self, what: &str, css: &str, ok: impl Fn(&str) -> bool) -> String {
-        let mut last = None::<String>;
-        let within = Duration::from_secs(45);
-        let deadline = std::time::Instant::now() + within;
-        loop {
-            if let Some(t) = self.text_once(css).await {
-                if ok(&t) {
-                    return t;
-                }
-                last = Some(t);
+        wait_seeing(what, Duration::from_secs(45), || async {
+            match self.text_once(css).await {
+                Some(t) if ok(&t) => Ok(t),
+                shown => Err(shown),
             }
-            if std::time::Instant::now() >= deadline {
-                panic!("timed out after {within:?} waiting for {what}: {css} showed {last:?} last");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await
     }
 
     /// How many elements match `css`.

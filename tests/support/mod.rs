@@ -516,13 +516,35 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
 {
+    wait_seeing(what, within, || {
+        let f = check();
+        async move { f.await.ok_or(None::<String>) }
+    })
+    .await
+}
+
+/// Polls `check` until it yields `Ok`; an `Err(Some(seen))` says what it saw instead, and the
+/// panic after `within` names the last such sight as well as `what`.
+pub async fn wait_seeing<T, S, F, Fut>(what: &str, within: Duration, mut check: F) -> T
+where
+    S: std::fmt::Debug,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Option<S>>>,
+{
     let deadline = Instant::now() + within;
+    let mut seen = None;
     loop {
-        if let Some(v) = check().await {
-            return v;
+        match check().await {
+            Ok(v) => return v,
+            Err(now) => seen = now.or(seen),
         }
         if Instant::now() >= deadline {
-            panic!("timed out after {within:?} waiting for {what}");
+            match seen {
+                Some(s) => {
+                    panic!("timed out after {within:?} waiting for {what}; last seen: {s:?}")
+                }
+                None => panic!("timed out after {within:?} waiting for {what}"),
+            }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
