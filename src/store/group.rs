@@ -245,9 +245,15 @@ impl Committer {
         let (writes, replies): (Vec<Write>, Vec<_>) =
             items.into_iter().map(|p| (p.write, p.reply)).unzip();
         let single = writes.len() == 1;
-        // Kept in case etcd refuses the batch as a whole and each must go alone.
-        let copies = (!single).then(|| writes.clone());
-        match self.send(writes).await {
+        // A batch's writes are kept in case etcd refuses it as a whole and each must go alone:
+        // the request gets copies of their operations only.
+        let (copies, sent) = if single {
+            (None, self.send(writes).await)
+        } else {
+            let nested = writes.iter().map(|w| TxnOp::txn(w.to_txn())).collect();
+            (Some(writes), self.send_nested(nested).await)
+        };
+        match sent {
             Ok(outcomes) => {
                 for (reply, o) in replies.into_iter().zip(outcomes) {
                     let _ = reply.send(Ok(o));
@@ -281,11 +287,16 @@ impl Committer {
 
     /// One transaction for `writes`; one outcome per write, in order.
     async fn send(&self, writes: Vec<Write>) -> Result<Vec<Outcome>, Error> {
-        let n = writes.len();
-        let nested: Vec<TxnOp> = writes
+        let nested = writes
             .into_iter()
             .map(|w| TxnOp::txn(w.into_txn()))
             .collect();
+        self.send_nested(nested).await
+    }
+
+    /// One transaction of these nested writes; one outcome per write, in order.
+    async fn send_nested(&self, nested: Vec<TxnOp>) -> Result<Vec<Outcome>, Error> {
+        let n = nested.len();
         let mut txn = Txn::new();
         if let Some(f) = &self.fence {
             if !(f.valid)() {

@@ -279,6 +279,14 @@ impl Write {
             .or_else(self.otherwise)
     }
 
+    /// A copy of this write as a transaction of its own (its operations only).
+    pub fn to_txn(&self) -> Txn {
+        Txn::new()
+            .when(self.compares.clone())
+            .and_then(self.then.clone())
+            .or_else(self.otherwise.clone())
+    }
+
     /// This write as a transaction guarded by `fence` too: the fence outside, this write nested
     /// inside with its own compares (so a failed compare of its own is told apart from a failed
     /// fence).

@@ -14,6 +14,10 @@
 //! - An abandoned cleanup deletes the assignments of its running steps at once; the folder
 //!   stage starts only once each of them has an end record or its worker has been gone for
 //!   TTL + margin.
+//! - Stages end in the write that starts the next where the two can share a transaction: steps
+//!   done (with no run ending in the same pass) and the folder given; the folder removed and
+//!   the result clean. The merged write is the two back to back, with nothing between them
+//!   (one etcd revision and one round trip fewer for each).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -219,7 +223,7 @@ impl<'a> JobTask<'a> {
             return Pass::Reread;
         }
         if dirty.cleanup.stage >= 2 {
-            return Pass::Finished(finish(ctx, self.on, snap, dirty).await);
+            return Pass::Finished(finish(ctx, self.on, snap, dirty, Write::new()).await);
         }
         let spec = snap.spec.as_ref().map(|(r, _)| &r.spec);
         let plan = spec.map(cleanup::plan).unwrap_or_default();
@@ -258,6 +262,12 @@ impl<'a> JobTask<'a> {
             let (w, o) = (&mut write, &mut outcome);
             self.steps_phase(snap, spec, &plan, &mut result, w, o, hold)
                 .await;
+            // The steps ended without a run ending in this pass (no assignment deleted that
+            // the folder's could reuse): the folder is given in the same write.
+            if result.cleanup.stage == 1 && outcome.ended.is_empty() && self.may_pass(1) {
+                self.folder_phase(snap, &mut result, &mut write, &mut outcome, hold)
+                    .await;
+            }
         } else {
             self.folder_phase(snap, &mut result, &mut write, &mut outcome, hold)
                 .await;
@@ -279,6 +289,14 @@ impl<'a> JobTask<'a> {
                 return Pass::Finished(Next::Stop);
             }
             return Pass::Wait(outcome.next_at, outcome.running);
+        }
+        if result.cleanup.stage == 2 && outcome.new_leases.is_empty() && self.may_pass(2) {
+            // The folder is done: the result goes clean in the same write, which deletes what
+            // this pass would have (a delete twice is no conflict in one transaction).
+            for name in &outcome.ended {
+                self.leases.remove(name);
+            }
+            return Pass::Finished(finish(ctx, self.on, snap, result, write).await);
         }
         let commit = write
             .when_modified(k.dirty.clone(), snap.dirty_rev)
@@ -315,6 +333,12 @@ impl<'a> JobTask<'a> {
                 Pass::Reread
             }
         }
+    }
+
+    /// Whether a pass that reached `stage` may go on past it in the same write: not when the
+    /// test hook holds the job there.
+    fn may_pass(&self, stage: u32) -> bool {
+        self.ctx.config.cleanup.pause_after_stage != Some(stage)
     }
 
     fn give_back(&self, starts: usize) {
@@ -1083,8 +1107,16 @@ fn remove_local_folder(ctx: &Ctx, id: &str) {
 }
 
 /// Stage 3: dirty becomes clean, and the job's other keys go, in one fenced transaction that
-/// also requires no registry entry beside the result.
-async fn finish(ctx: &Ctx, on: &On<'_>, snap: &Snapshot, mut result: JobResult) -> Next {
+/// also requires no registry entry beside the result. `with` is the rest of the pass that
+/// reached stage 2, committed with it (deletes and compares only: a put there could meet one
+/// of the deletes here).
+async fn finish(
+    ctx: &Ctx,
+    on: &On<'_>,
+    snap: &Snapshot,
+    mut result: JobResult,
+    with: Write,
+) -> Next {
     let k = ctx.keys.job(&snap.id);
     let leftovers: Vec<CleanupAssigned> = result
         .cleanup
@@ -1112,7 +1144,7 @@ async fn finish(ctx: &Ctx, on: &On<'_>, snap: &Snapshot, mut result: JobResult) 
     if result.version < RESULT_VERSION_STEPS {
         result.version = records::RESULT_VERSION;
     }
-    let mut write = Write::new()
+    let mut write = with
         .when_modified(k.dirty.clone(), snap.dirty_rev)
         .when_absent(k.registry.clone());
     if let Some((_, incarnation)) = &snap.spec {

@@ -35,7 +35,7 @@ use super::fleet::Fleet;
 use super::{Ctx, Writer};
 use crate::jobs;
 use crate::jobs::records::{self, JobResult};
-use crate::jobs::work::{WorkerRecord, WORKER_VERSION};
+use crate::jobs::work::{AttemptState, WorkerRecord, WORKER_VERSION};
 use crate::metrics;
 use crate::rolelog;
 use crate::store::{codec, Keys, Write};
@@ -288,6 +288,11 @@ impl Cleaner {
         } else if let Some((id, _step)) =
             Keys::id_in(&keys.cleanups(), kv.key()).and_then(|r| r.split_once('/'))
         {
+            if only_started(kv.value()) {
+                // Nothing for the task to act on: a step that runs is looked at again within
+                // a second, and its end wakes the task.
+                return;
+            }
             if self.inflight.contains(id) {
                 self.wakers.wake(id);
             } else {
@@ -316,6 +321,15 @@ impl Cleaner {
         m.cleanups_needing_operator
             .set(self.needs_operator.len() as i64);
     }
+}
+
+/// Whether a step's record says only that it started (anything unreadable says more).
+fn only_started(value: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct State {
+        state: AttemptState,
+    }
+    serde_json::from_slice::<State>(value).is_ok_and(|s| s.state == AttemptState::Started)
 }
 
 async fn read_pages(ctx: &Ctx) -> Result<(i64, Vec<String>), jobs::Error> {
