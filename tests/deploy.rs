@@ -745,7 +745,8 @@ async fn the_images_user_and_read_only_filesystem_start_coordinators_and_a_worke
         .await
         .unwrap();
     // Read while it runs: once it has a result, cleanup removes its folder.
-    let job_dir = tmp.path().join("volumes/baton-worker-0/jobs/image-job");
+    let job_dir =
+        baton::exec::record::job_dir(&tmp.path().join("volumes/baton-worker-0"), "image-job");
     wait_until("the job to write its file", LONG, || {
         std::fs::read_to_string(job_dir.join("out")).is_ok_and(|s| s.ends_with('\n'))
     })

@@ -498,12 +498,7 @@ async fn a_thousand_jobs_survive_two_leader_kills() {
     }
     println!("submitted {n} jobs in {} ms", started.elapsed().as_millis());
     for _ in 0..2 {
-        wait_until("some jobs to run", LONG, || {
-            std::fs::read_dir(c.storage().join("jobs"))
-                .map(|d| d.count() > 50)
-                .unwrap_or(false)
-        })
-        .await;
+        wait_until("some jobs to run", LONG, || job_folders(&c.storage()) > 50).await;
         c.replicas[k].sigkill();
         let rest = c.others(k);
         let killed_at = Instant::now();

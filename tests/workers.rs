@@ -474,3 +474,43 @@ async fn a_version_1_running_entry_of_an_older_leader_is_rescheduled() {
         "BATON_RECOVERED=1\n"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_starting_worker_removes_folders_of_gone_jobs_in_its_buckets_and_at_the_old_root() {
+    let mut c = Cluster::start(Options {
+        replicas: 1,
+        extra_args: vec!["--cleanup-pause-after-stage".into(), "0".into()],
+        ..Options::default()
+    });
+    c.leader_index().await;
+    c.wait_workers(&["r1"]).await;
+    c.submit(0, "kept", sh("echo kept > \"$BATON_JOB_DIR/out\""))
+        .await;
+    c.wait_job(&[0], "kept", LONG, "terminal", terminal).await;
+    let kept = c.job_dir("kept");
+    assert!(
+        kept.join("out").is_file(),
+        "held at stage 0, its folder stays"
+    );
+    assert_eq!(
+        kept.parent().unwrap().parent().unwrap(),
+        c.storage().join("jobs")
+    );
+    // Folders of jobs etcd does not know: one in its bucket, one where an older release kept
+    // them, and a removal cut short.
+    let gone = c.job_dir("gone");
+    let old = c.storage().join("jobs").join("gone-old");
+    let cut = c.job_dir("cut").with_file_name("cut~removing-7");
+    for d in [&gone, &old, &cut] {
+        std::fs::create_dir_all(d).unwrap();
+        std::fs::write(d.join("attempt-1.log"), "x").unwrap();
+    }
+    c.replicas[0].sigkill();
+    c.replicas[0].restart().unwrap();
+    wait_until("the gone jobs' folders to go", LONG, || {
+        !gone.exists() && !old.exists() && !cut.exists()
+    })
+    .await;
+    assert!(kept.join("out").is_file(), "a live job's folder stays");
+    assert!(gone.parent().unwrap().is_dir(), "buckets stay");
+}

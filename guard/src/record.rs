@@ -87,10 +87,33 @@ pub fn jobs_root(storage: &Path) -> PathBuf {
     storage.join("jobs")
 }
 
-/// `<storage>/jobs/<job>`: the folder of a job on the host that runs it (scratch for one
-/// attempt at a time; another worker's attempt gets another host's folder).
+/// How many buckets the jobs' folders are spread over.
+pub const BUCKETS: u64 = 64;
+
+/// The bucket of a job's folder: `@` and two hex digits of the FNV-1a hash of its id, the same
+/// on every host and release. `@` is in no job id, so a bucket is never taken for the folder of
+/// a job (an older release kept them at `<storage>/jobs/<job>`).
+pub fn bucket(job_id: &str) -> String {
+    let hash = job_id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("@{:02x}", hash % BUCKETS)
+}
+
+/// Whether a name in [`jobs_root`] is one of the buckets.
+pub fn is_bucket(name: &str) -> bool {
+    name.len() == 3
+        && name.starts_with('@')
+        && u64::from_str_radix(&name[1..], 16).is_ok_and(|n| n < BUCKETS)
+}
+
+/// `<storage>/jobs/<bucket>/<job>`: the folder of a job on the host that runs it (scratch for
+/// one attempt at a time; another worker's attempt gets another host's folder). Buckets keep
+/// the folder made for every attempt out of the root, which is marked as a top of directory
+/// hierarchies (see the worker's `folders`): ext4 then spreads the buckets once, and places
+/// each job's folder in its bucket's group without weighing every group of the filesystem.
 pub fn job_dir(storage: &Path, job_id: &str) -> PathBuf {
-    jobs_root(storage).join(job_id)
+    jobs_root(storage).join(bucket(job_id)).join(job_id)
 }
 
 pub fn exit_path(dir: &Path, name: &str) -> PathBuf {

@@ -155,14 +155,26 @@ pub(super) async fn revoke_until_gone(store: &Store, lease: &Lease, stop: &Cance
 }
 
 /// At start the worker runs nothing: folders of jobs that no longer exist go (their results
-/// are clean). Folders of live jobs stay: on a shared scratch folder, another worker may run
-/// them.
+/// are clean), in the buckets and, left by an older release, at the root. Folders of live jobs
+/// stay: on a shared scratch folder, another worker may run them.
 pub(super) async fn sweep(store: &Store, keys: &Keys, config: &WorkerConfig) {
-    let Ok(entries) = std::fs::read_dir(record::jobs_root(&config.storage_dir)) else {
+    let root = record::jobs_root(&config.storage_dir);
+    let Ok(entries) = std::fs::read_dir(&root) else {
         return;
     };
-    let mut removed = 0;
+    let mut found = Vec::new();
     for entry in entries.flatten() {
+        let name = entry.file_name();
+        if name.to_str().is_some_and(record::is_bucket) {
+            if let Ok(inner) = std::fs::read_dir(entry.path()) {
+                found.extend(inner.flatten());
+            }
+        } else {
+            found.push(entry);
+        }
+    }
+    let mut removed = 0;
+    for entry in found {
         let Some(id) = entry.file_name().to_str().map(str::to_owned) else {
             continue;
         };

@@ -4,7 +4,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use baton::devcluster::{free_port, EtcdCluster, FaultProxy, Mode, ReplicaProcess, ReplicaSpec};
@@ -592,6 +592,17 @@ pub async fn jobs_at(addr: SocketAddr) -> Jobs {
 }
 
 /// A spec running `sh -c script`.
+/// The jobs' folders under a storage folder, in every bucket.
+pub fn job_folders(storage: &Path) -> usize {
+    let Ok(root) = std::fs::read_dir(baton::exec::record::jobs_root(storage)) else {
+        return 0;
+    };
+    root.flatten()
+        .filter_map(|b| std::fs::read_dir(b.path()).ok())
+        .map(|d| d.count())
+        .sum()
+}
+
 pub fn sh(script: &str) -> JobSpec {
     JobSpec {
         command: vec!["sh".into(), "-c".into(), script.into()],
@@ -657,7 +668,7 @@ impl Cluster {
     }
 
     pub fn job_dir(&self, id: &str) -> PathBuf {
-        self.storage().join("jobs").join(id)
+        baton::exec::record::job_dir(&self.storage(), id)
     }
 
     pub fn exit_record(&self, id: &str, attempt: u32) -> Option<baton::exec::record::ExitRecord> {
