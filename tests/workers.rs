@@ -443,6 +443,22 @@ async fn sigterm_of_a_replica_preempts_its_embedded_workers_jobs_which_restart_a
     }
 }
 
+/// What a previous release's leader left: a version 1 RUNNING entry of attempt 1 in term 1,
+/// which it ran itself.
+async fn plant_version_1_running(c: &Cluster, id: &str) {
+    let mut client = etcd_client::Client::connect(c.etcd.endpoints(), None)
+        .await
+        .unwrap();
+    client
+        .put(
+            format!("/baton/test/registry/{id}"),
+            r#"{"version":1,"status":"RUNNING","attempt":1,"failed_attempts":0,"recoveries":0,"term":1}"#,
+            None,
+        )
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_version_1_running_entry_of_an_older_leader_is_rescheduled() {
     let mut c = Cluster::start(worker_opts(0, &[]));
@@ -451,18 +467,7 @@ async fn a_version_1_running_entry_of_an_older_leader_is_rescheduled() {
     let mut spec = sh("env | grep ^BATON_RECOVERED >> \"$OUT/old\"; exit 0");
     spec.env.insert("OUT".into(), out.display().to_string());
     c.submit(0, "old", spec).await;
-    // What a previous release's leader left: a version 1 RUNNING entry it ran itself.
-    let mut client = etcd_client::Client::connect(c.etcd.endpoints(), None)
-        .await
-        .unwrap();
-    client
-        .put(
-            "/baton/test/registry/old",
-            r#"{"version":1,"status":"RUNNING","attempt":1,"failed_attempts":0,"recoveries":0,"term":1}"#,
-            None,
-        )
-        .await
-        .unwrap();
+    plant_version_1_running(&c, "old").await;
     c.add_worker(&[]);
     let j = c
         .wait_job(&c.all_indices(), "old", LONG, "terminal", terminal)
@@ -473,6 +478,32 @@ async fn a_version_1_running_entry_of_an_older_leader_is_rescheduled() {
         std::fs::read_to_string(out.join("old")).unwrap(),
         "BATON_RECOVERED=1\n"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_1_running_entry_whose_exit_an_older_release_left_is_recorded_not_run_again() {
+    let c = Cluster::start(worker_opts(0, &[]));
+    c.leader_index().await;
+    let out = scratch(&c);
+    let mut spec = sh("echo ran >> \"$OUT/done\"");
+    spec.env.insert("OUT".into(), out.display().to_string());
+    c.submit(0, "done", spec).await;
+    // Where a release before the buckets kept the job's folder, with the exit its guard wrote.
+    let dir = baton::exec::record::legacy_job_dir(&c.storage(), "done");
+    std::fs::create_dir_all(&dir).unwrap();
+    let exit = serde_json::json!({
+        "version": 1, "job_id": "done", "attempt": 1, "term": 1, "pid": 1,
+        "started_boottime_ns": 1, "ended_boottime_ns": 2, "exit_code": 0,
+        "signal": null, "killed_by": null
+    });
+    std::fs::write(dir.join("attempt-1.exit"), exit.to_string()).unwrap();
+    plant_version_1_running(&c, "done").await;
+    let j = c
+        .wait_job(&c.all_indices(), "done", LONG, "terminal", terminal)
+        .await;
+    assert_eq!(state(&j), JobState::Finished, "{j:?}");
+    assert_eq!((j.attempts, j.recoveries, j.exit_code), (1, 0, 0), "{j:?}");
+    assert!(!out.join("done").exists(), "it never ran again");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

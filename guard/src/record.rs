@@ -104,6 +104,7 @@ pub fn bucket(job_id: &str) -> String {
 pub fn is_bucket(name: &str) -> bool {
     name.len() == 3
         && name.starts_with('@')
+        && name[1..].bytes().all(|b| b.is_ascii_hexdigit())
         && u64::from_str_radix(&name[1..], 16).is_ok_and(|n| n < BUCKETS)
 }
 
@@ -114,6 +115,12 @@ pub fn is_bucket(name: &str) -> bool {
 /// each job's folder in its bucket's group without weighing every group of the filesystem.
 pub fn job_dir(storage: &Path, job_id: &str) -> PathBuf {
     jobs_root(storage).join(bucket(job_id)).join(job_id)
+}
+
+/// `<storage>/jobs/<job>`: where releases before the buckets kept a job's folder (read for
+/// their leftovers: exit records, logs, folders to remove).
+pub fn legacy_job_dir(storage: &Path, job_id: &str) -> PathBuf {
+    jobs_root(storage).join(job_id)
 }
 
 pub fn exit_path(dir: &Path, name: &str) -> PathBuf {

@@ -441,7 +441,7 @@ impl JobCtx<'_> {
     async fn legacy(&self) -> Outcome {
         let id = self.id();
         let entry = &self.job.entry;
-        let dir = crate::exec::record::job_dir(&self.ctx.config.storage_dir, id);
+        let dir = crate::exec::record::legacy_job_dir(&self.ctx.config.storage_dir, id);
         let old = crate::exec::record::read_exit(&dir, &format!("attempt-{}", entry.attempt))
             .filter(|r| r.term == entry.term && r.attempt == entry.attempt);
         if let Some(r) = old.filter(|r| {

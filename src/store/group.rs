@@ -33,6 +33,7 @@ use futures_util::stream::FuturesUnordered;
 use futures_util::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 
+use super::write::Footprints;
 use super::{Error, Store, Write};
 
 /// What happened to one write.
@@ -148,6 +149,7 @@ struct Committer {
 /// Writes gathered for one transaction.
 struct Batch {
     items: Vec<Pending>,
+    footprints: Footprints,
     bytes: usize,
     /// The most operations of any branch of any write in.
     widest: usize,
@@ -155,10 +157,13 @@ struct Batch {
 
 impl Batch {
     fn new(first: Pending) -> Batch {
+        let mut footprints = Footprints::default();
+        footprints.add(&first.write);
         Batch {
             bytes: first.write.bytes(),
             widest: first.write.ops(),
             items: vec![first],
+            footprints,
         }
     }
 
@@ -170,14 +175,24 @@ impl Batch {
     fn admits(&self, p: &Pending, limits: &Limits) -> bool {
         self.items.len() + 1 + self.widest.max(p.write.ops()) <= limits.max_ops
             && self.bytes + p.write.bytes() <= limits.max_bytes
-            && !self.items.iter().any(|q| q.write.conflicts_with(&p.write))
+            && !self
+                .footprints
+                .meets(&p.write, self.items.iter().map(|q| &q.write))
     }
 
     fn add(&mut self, p: Pending) {
+        self.footprints.add(&p.write);
         self.bytes += p.write.bytes();
         self.widest = self.widest.max(p.write.ops());
         self.items.push(p);
     }
+}
+
+/// Writes passed over for a batch, in arrival order.
+#[derive(Default)]
+struct Passed {
+    items: VecDeque<Pending>,
+    footprints: Footprints,
 }
 
 impl Committer {
@@ -202,15 +217,18 @@ impl Committer {
                 },
             };
             let mut batch = Batch::new(first);
-            let mut passed: VecDeque<Pending> = VecDeque::new();
-            let offer = |p: Pending, batch: &mut Batch, passed: &mut VecDeque<Pending>| {
+            let mut passed = Passed::default();
+            let offer = |p: Pending, batch: &mut Batch, passed: &mut Passed| {
                 // A write behind one passed over that it conflicts with keeps its order.
                 if batch.admits(&p, &self.limits)
-                    && !passed.iter().any(|q| q.write.conflicts_with(&p.write))
+                    && !passed
+                        .footprints
+                        .meets(&p.write, passed.items.iter().map(|q| &q.write))
                 {
                     batch.add(p);
                 } else {
-                    passed.push_back(p);
+                    passed.footprints.add(&p.write);
+                    passed.items.push_back(p);
                 }
             };
             while let Some(p) = held.pop_front() {
@@ -234,7 +252,7 @@ impl Committer {
                     }
                 }
             }
-            held = passed;
+            held = passed.items;
             in_flight.push(self.commit(batch.items));
         }
         while in_flight.next().await.is_some() {}

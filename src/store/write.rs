@@ -11,6 +11,9 @@
 //! an in-memory etcd ([`super::mem`]) can apply exactly what the code would send: the protocol
 //! model and unit tests run the code's own writes.
 
+use std::collections::HashSet;
+use std::hash::{Hash, Hasher};
+
 use etcd_client::{Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp};
 
 /// A single key, or every key under a prefix.
@@ -297,9 +300,74 @@ impl Write {
     }
 }
 
+/// The footprints of a group of writes, kept as the group grows, so that asking whether one
+/// more meets any of them costs that write's own keys rather than a pass over the group (which
+/// was most of what batching cost the leader under load). Keys are kept as hashes: a collision
+/// only takes a write for a conflicting one, which costs it a later transaction, never a wrong
+/// one.
+#[derive(Debug, Default)]
+pub struct Footprints {
+    written: HashSet<u64>,
+    read: HashSet<u64>,
+    /// Prefixes of the group, and whether written (else read).
+    prefixes: Vec<(Vec<u8>, bool)>,
+}
+
+fn key_hash(key: &[u8]) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
+    h.finish()
+}
+
+impl Footprints {
+    pub fn add(&mut self, w: &Write) {
+        for (spans, written) in [(&w.writes, true), (&w.reads, false)] {
+            for s in spans {
+                match s {
+                    Span::Key(k) if written => self.written.insert(key_hash(k)),
+                    Span::Key(k) => self.read.insert(key_hash(k)),
+                    Span::Prefix(p) => {
+                        self.prefixes.push((p.clone(), written));
+                        true
+                    }
+                };
+            }
+        }
+    }
+
+    /// Whether `w` meets a write of the group, as [`Write::conflicts_with`] would answer for
+    /// one of them. A write with a prefix of its own is compared with each of `members` (the
+    /// group's writes), as before.
+    pub fn meets<'a>(&self, w: &Write, mut members: impl Iterator<Item = &'a Write>) -> bool {
+        fn keys(spans: &[Span]) -> Option<Vec<&[u8]>> {
+            spans
+                .iter()
+                .map(|s| match s {
+                    Span::Key(k) => Some(k.as_slice()),
+                    Span::Prefix(_) => None,
+                })
+                .collect()
+        }
+        let (Some(writes), Some(reads)) = (keys(&w.writes), keys(&w.reads)) else {
+            return members.any(|m| m.conflicts_with(w));
+        };
+        let under = |k: &[u8], written_only: bool| {
+            self.prefixes
+                .iter()
+                .any(|(p, written)| (*written || !written_only) && k.starts_with(p))
+        };
+        writes.iter().any(|k| {
+            let h = key_hash(k);
+            self.written.contains(&h) || self.read.contains(&h) || under(k, false)
+        }) || reads
+            .iter()
+            .any(|k| self.written.contains(&key_hash(k)) || under(k, true))
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Write;
+    use super::{Footprints, Write};
 
     #[test]
     fn footprints_decide_who_may_share_a_transaction() {
@@ -319,6 +387,35 @@ mod tests {
         let r1 = Write::new().when_present("/k").or_get("/k");
         let r2 = Write::new().when_absent("/k").or_get("/k");
         assert!(!r1.conflicts_with(&r2));
+    }
+
+    #[test]
+    fn footprints_of_a_group_answer_as_a_pass_over_it_would() {
+        let keys = ["/a", "/a/1", "/a/2", "/ab", "/b/1", "/b/2"];
+        let prefixes = ["/a/", "/b/", "/a"];
+        let mut rng = fastrand::Rng::with_seed(7);
+        let one = |rng: &mut fastrand::Rng| {
+            let mut w = Write::new();
+            for _ in 0..rng.usize(1..4) {
+                let k = keys[rng.usize(..keys.len())];
+                w = match rng.u8(..5) {
+                    0 => w.when_absent(k),
+                    1 => w.put(k, "v"),
+                    2 => w.delete(k),
+                    3 if rng.bool() => w.delete_prefix(prefixes[rng.usize(..prefixes.len())]),
+                    _ => w.when_modified(k, 2),
+                };
+            }
+            w
+        };
+        for _ in 0..2000 {
+            let group: Vec<Write> = (0..rng.usize(0..5)).map(|_| one(&mut rng)).collect();
+            let w = one(&mut rng);
+            let mut fp = Footprints::default();
+            group.iter().for_each(|m| fp.add(m));
+            let pass = group.iter().any(|m| m.conflicts_with(&w));
+            assert_eq!(fp.meets(&w, group.iter()), pass, "{w:?} against {group:?}");
+        }
     }
 
     #[test]

@@ -55,7 +55,11 @@ impl WorkerService for WorkerLogs {
             0 => READ_DEFAULT,
             n => n.min(READ_MAX),
         } as u64;
-        let dir = record::job_dir(&self.storage_dir, &req.job_id);
+        let mut dir = record::job_dir(&self.storage_dir, &req.job_id);
+        if !dir.exists() {
+            // An attempt run here by a release before the buckets.
+            dir = record::legacy_job_dir(&self.storage_dir, &req.job_id);
+        }
         let path = record::log_path(&dir, &format!("attempt-{}", req.attempt));
         // A job could plant a symlink in its own folder: only a regular file is served.
         let opened = tokio::fs::OpenOptions::new()

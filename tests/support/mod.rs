@@ -591,7 +591,6 @@ pub async fn jobs_at(addr: SocketAddr) -> Jobs {
     JobServiceClient::new(ch)
 }
 
-/// A spec running `sh -c script`.
 /// The jobs' folders under a storage folder, in every bucket.
 pub fn job_folders(storage: &Path) -> usize {
     let Ok(root) = std::fs::read_dir(baton::exec::record::jobs_root(storage)) else {
@@ -603,6 +602,7 @@ pub fn job_folders(storage: &Path) -> usize {
         .sum()
 }
 
+/// A spec running `sh -c script`.
 pub fn sh(script: &str) -> JobSpec {
     JobSpec {
         command: vec!["sh".into(), "-c".into(), script.into()],

@@ -1096,12 +1096,18 @@ impl Decided {
     }
 }
 
-/// The job's folder on the leader's own host, if a worker here used it.
+/// The job's folder on the leader's own host, if a worker here used it (in its bucket, or
+/// where a release before the buckets kept it).
 fn remove_local_folder(ctx: &Ctx, id: &str) {
-    let dir = record::job_dir(&ctx.config.storage_dir, id);
-    if let Err(e) = std::fs::remove_dir_all(&dir) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            tracing::warn!(job_id = id, error = %e, "cannot remove the job's local folder");
+    let storage = &ctx.config.storage_dir;
+    for dir in [
+        record::job_dir(storage, id),
+        record::legacy_job_dir(storage, id),
+    ] {
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(job_id = id, error = %e, "cannot remove the job's local folder");
+            }
         }
     }
 }
