@@ -292,10 +292,8 @@ impl<'a> JobTask<'a> {
         }
         if result.cleanup.stage == 2 && outcome.new_leases.is_empty() && self.may_pass(2) {
             // The folder is done: the result goes clean in the same write, which deletes what
-            // this pass would have (a delete twice is no conflict in one transaction).
-            for name in &outcome.ended {
-                self.leases.remove(name);
-            }
+            // this pass would have (a delete twice is no conflict in one transaction). The
+            // folder phase let go of every step's place.
             return Pass::Finished(finish(ctx, self.on, snap, result, write).await);
         }
         let commit = write
