@@ -81,6 +81,8 @@ fn every_scenario_runs_at_tiny_sizes_and_reports_real_figures() {
     assert!(num(&report, &["e2e", "clean_per_sec"]) > 0.0);
     assert!(num(&report, &["e2e", "etcd_requests_per_job"]) > 0.0);
     assert!(num(&report, &["e2e", "etcd_writes_per_job"]) >= 4.0);
+    // The leader's read of a job alone is eight ranges (seven keys and the attempts prefix).
+    assert!(num(&report, &["e2e", "etcd_ranges_per_job"]) >= 8.0);
     // The guards: the bare spawn rate, the legacy guard's run of the same jobs, and each
     // kind's memory with its jobs running.
     assert_eq!(report["e2e"]["guard"], "small");

@@ -31,6 +31,8 @@ pub struct EndToEnd {
     pub etcd_requests_per_job: f64,
     pub etcd_txns_per_job: f64,
     pub etcd_writes_per_job: f64,
+    /// Ranges etcd evaluated per job (reads and compares), on the first member.
+    pub etcd_ranges_per_job: f64,
     /// Settings the run needed beyond the defaults.
     pub settings: String,
     /// The workers' guard (`small` or `legacy`).
@@ -212,6 +214,7 @@ pub async fn measure(
         etcd_requests_per_job: per(spent.requests),
         etcd_txns_per_job: per(spent.txns),
         etcd_writes_per_job: per(spent.writes),
+        etcd_ranges_per_job: per(spent.ranges),
         settings,
         guard: guard.name().into(),
     };

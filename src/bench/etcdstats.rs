@@ -8,8 +8,8 @@ use serde::Serialize;
 use crate::devcluster::etcd::http_get;
 use crate::devcluster::EtcdCluster;
 
-/// Counters summed over the members (requests) or read from the first (applied writes: every
-/// member applies each one).
+/// Counters summed over the members (requests) or read from the first (applied writes and
+/// ranges: every member applies each write, and the compares and reads of a write with it).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Counts {
     /// KV requests answered (Range, Put, DeleteRange, Txn), on every member together.
@@ -18,6 +18,8 @@ pub struct Counts {
     pub txns: f64,
     /// Keys put or deleted.
     pub writes: f64,
+    /// Ranges evaluated: each read of a key or prefix, and each compare of a transaction.
+    pub ranges: f64,
 }
 
 impl std::ops::Sub for Counts {
@@ -27,6 +29,7 @@ impl std::ops::Sub for Counts {
             requests: self.requests - o.requests,
             txns: self.txns - o.txns,
             writes: self.writes - o.writes,
+            ranges: self.ranges - o.ranges,
         }
     }
 }
@@ -52,6 +55,7 @@ pub async fn read(etcd: &EtcdCluster) -> Counts {
                         }
                     }
                     "etcd_mvcc_put_total" | "etcd_mvcc_delete_total" if i == 0 => c.writes += value,
+                    "etcd_mvcc_range_total" if i == 0 => c.ranges += value,
                     _ => {}
                 }
             }

@@ -298,13 +298,14 @@ impl Report {
             );
             let _ = writeln!(
                 o,
-                "  {:.0} jobs/s to a result, {:.0} jobs/s to clean ({:.1} s); per job etcd answered {:.1} requests ({:.1} transactions) and applied {:.1} writes",
+                "  {:.0} jobs/s to a result, {:.0} jobs/s to clean ({:.1} s); per job etcd answered {:.1} requests ({:.1} transactions), applied {:.1} writes and evaluated {:.1} ranges (reads and compares)",
                 e.results_per_sec,
                 e.clean_per_sec,
                 e.seconds,
                 e.etcd_requests_per_job,
                 e.etcd_txns_per_job,
-                e.etcd_writes_per_job
+                e.etcd_writes_per_job,
+                e.etcd_ranges_per_job
             );
         }
         if let (Some(e), Some(g)) = (&self.e2e, &self.guards) {
