@@ -31,7 +31,7 @@ pub struct EndToEnd {
     pub etcd_requests_per_job: f64,
     pub etcd_txns_per_job: f64,
     pub etcd_writes_per_job: f64,
-    /// Ranges etcd evaluated per job (reads and compares), on the first member.
+    /// Ranges etcd's first member evaluated per job (reads and compares; see `Counts`).
     pub etcd_ranges_per_job: f64,
     /// Settings the run needed beyond the defaults.
     pub settings: String,

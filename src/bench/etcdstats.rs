@@ -8,8 +8,10 @@ use serde::Serialize;
 use crate::devcluster::etcd::http_get;
 use crate::devcluster::EtcdCluster;
 
-/// Counters summed over the members (requests) or read from the first (applied writes and
-/// ranges: every member applies each write, and the compares and reads of a write with it).
+/// Counters summed over the members (requests) or read from the first (applied writes: every
+/// member applies each one). Ranges are the first member's too: it evaluates the compares and
+/// reads of every write it applies, but only the read-only requests it serves itself (all of
+/// them with one member, the bench's default).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Counts {
     /// KV requests answered (Range, Put, DeleteRange, Txn), on every member together.
