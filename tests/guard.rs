@@ -263,6 +263,66 @@ fn the_attempt_timeout_is_enforced_and_a_normal_exit_is_recorded() {
     );
 }
 
+/// The job starts as a fresh process would: no signal blocked (the guard blocks some, and the
+/// clone that starts the job blocks all) and SIGPIPE not ignored (Rust's runtime ignores it in
+/// the guard), stdin from /dev/null, stdout and stderr to its log, none of the guard's own
+/// descriptors, its folder as working directory, and a process group of its own.
+#[test]
+fn the_job_starts_with_a_clean_state_in_its_folder_and_its_own_group() {
+    // What a job sees, from its log. A shell may reset its own signal mask: the signals are
+    // read by `grep` started as the job itself.
+    let job_log = |command: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut g = start(&spec(dir.path(), 10_000, command));
+        feed(&mut g, BootInstant::now() + Duration::from_secs(30));
+        assert_eq!(wait_exit(&mut g), 0);
+        let rec = read_exit(dir.path(), "attempt-1").unwrap();
+        assert_eq!((rec.exit_code, rec.start_error), (Some(0), None));
+        let log_path = dir.path().canonicalize().unwrap().join("attempt-1.log");
+        (std::fs::read_to_string(&log_path).unwrap(), log_path, dir)
+    };
+    let field = |log: &str, name: &str| {
+        log.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .unwrap_or_else(|| panic!("no {name} in {log}"))
+            .trim()
+            .to_string()
+    };
+    let (log, _, _dir) = job_log(&["grep", "-E", "^Sig(Blk|Ign):", "/proc/self/status"]);
+    assert_eq!(field(&log, "SigBlk:"), "0000000000000000", "{log}");
+    let ignored = u64::from_str_radix(&field(&log, "SigIgn:"), 16).unwrap();
+    assert_eq!(ignored & (1 << (nix::libc::SIGPIPE - 1)), 0, "{log}");
+
+    let script = "echo cwd $(pwd); set -- $(sed 's/.*) //' /proc/$$/stat); \
+        echo group $3 pid $$; exec ls -l /proc/self/fd/";
+    let (log, log_path, dir) = job_log(&["sh", "-c", script]);
+    let field = |name: &str| field(&log, name);
+    assert_eq!(
+        field("cwd "),
+        dir.path().canonicalize().unwrap().display().to_string()
+    );
+    let group = field("group ");
+    let mut f = group.split_whitespace();
+    assert_eq!(f.next(), f.nth(1), "the job leads its own group: {log}");
+    // `ls -l /proc/self/fd/`: `<n> -> <target>` per descriptor.
+    let fds: Vec<(u32, &str)> = log
+        .lines()
+        .filter_map(|l| l.split_once(" -> "))
+        .filter_map(|(l, target)| Some((l.rsplit(' ').next()?.parse().ok()?, target)))
+        .collect();
+    let log_target = log_path.display().to_string();
+    assert!(fds.contains(&(0, "/dev/null")), "{log}");
+    assert!(fds.contains(&(1, log_target.as_str())), "{log}");
+    assert!(fds.contains(&(2, log_target.as_str())), "{log}");
+    for (n, target) in &fds {
+        assert!(
+            !target.contains("signalfd") && !target.contains("pidfd") && *target != log_target
+                || *n <= 2,
+            "a guard's descriptor leaked into the job: {log}"
+        );
+    }
+}
+
 /// The parent-death signal follows the thread that spawned the guard (which is why Baton spawns
 /// from one thread that lives as long as the process): when that thread ends, the guard kills
 /// its job at once, even though its pipe is still open and its deadline far away.

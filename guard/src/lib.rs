@@ -12,6 +12,7 @@
 pub mod clock;
 pub mod record;
 mod run;
+mod spawn;
 
 use std::ffi::OsString;
 use std::path::PathBuf;

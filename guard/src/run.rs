@@ -23,8 +23,8 @@
 use std::fs::OpenOptions;
 use std::io::{BufRead, BufReader, Read};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Command, Stdio};
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
 use std::time::Duration;
 
 use crate::clock::BootInstant;
@@ -32,6 +32,7 @@ use crate::record::{
     exit_path, log_path, pid_path, ExitRecord, KilledBy, LedgerEntry, StartError,
     EXIT_RECORD_VERSION,
 };
+use crate::spawn::Launch;
 use crate::{Spec, GUARD_FAILED, NOT_STARTED};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{killpg, SigSet, Signal};
@@ -143,32 +144,11 @@ fn guard(args: Spec) -> std::io::Result<i32> {
         .create(true)
         .append(true)
         .open(log_path(&args.dir, &args.name))?;
-    let guard_pid = std::process::id() as i32;
     // Only ever raised: a guard already running niced (a niced replica) keeps that, and raising
     // needs no privilege, so it cannot fail the job.
     let current = unsafe { nix::libc::getpriority(nix::libc::PRIO_PROCESS, 0) };
     let nice = (args.nice > current).then_some(args.nice);
-    let mut cmd = Command::new(&args.command[0]);
-    cmd.args(&args.command[1..])
-        .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .current_dir(&args.dir)
-        .process_group(0);
-    unsafe {
-        cmd.pre_exec(move || {
-            // The job dies with its guard; and if the guard died before this line, exit.
-            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
-            if getppid().as_raw() != guard_pid {
-                nix::libc::_exit(NOT_STARTED);
-            }
-            if let Some(nice) = nice {
-                nix::libc::setpriority(nix::libc::PRIO_PROCESS, 0, nice);
-            }
-            // The signals the guard blocks must not stay blocked in the job.
-            SigSet::all().thread_unblock().map_err(std::io::Error::from)
-        });
-    }
+    let devnull = OpenOptions::new().read(true).open("/dev/null")?;
     // The parent may have let go in the same breath as it sent the first deadline (a guard
     // abandoned right after its spawn): the last look before the job starts.
     feed.read_available()?;
@@ -176,8 +156,10 @@ fn guard(args: Spec) -> std::io::Result<i32> {
         return Ok(NOT_STARTED);
     }
     let started = BootInstant::now();
-    let mut child = match cmd.spawn() {
-        Ok(c) => c,
+    let launched = Launch::new(&args.command, &args.dir, devnull.into(), log.into(), nice)
+        .and_then(Launch::spawn);
+    let pid = match launched {
+        Ok(pid) => pid,
         // The host, not the command: out of processes, memory or descriptors. Nothing ran,
         // and the job is not to blame (the worker takes the assignment back uncounted).
         Err(e) if e.raw_os_error().is_some_and(host_failure) => {
@@ -199,13 +181,13 @@ fn guard(args: Spec) -> std::io::Result<i32> {
                 start_error: Some(StartError::new(&args.command[0], &e)),
             };
             eprintln!("baton-guard: cannot start {:?}: {e}", args.command[0]);
-            write_exit(&args, &rec)?;
+            write_exit(&args, &rec, None)?;
             return Ok(0);
         }
     };
-    let pid = child.id() as i32;
-    // Whoever finds this guard gone without an exit record kills the job's group by it.
-    let _ = std::fs::write(pid_path(&args.dir, &args.name), pid.to_string());
+    // Whoever finds this guard gone without an exit record kills the job's group by it. Kept
+    // open: the record is written over it through the same descriptor.
+    let pid_file = write_pid(&args, pid);
     ledger(&args, "start", pid, None);
     let group = Pid::from_raw(pid);
     // Without a pidfd (an old kernel, no descriptor left) the loop below still notices the
@@ -219,7 +201,7 @@ fn guard(args: Spec) -> std::io::Result<i32> {
         let now = BootInstant::now();
         // Reap first: a job that ended on its own at the moment its leader went away must be
         // recorded as ended, not as killed (a new leader would run it again).
-        let reaped = child.try_wait()?;
+        let reaped = try_wait(group)?;
         if reaped.is_none() && killed_by.is_none() {
             let reason = if feed.closed {
                 Some(KilledBy::LeaderGone)
@@ -248,7 +230,7 @@ fn guard(args: Spec) -> std::io::Result<i32> {
         }
         let status = match reaped {
             Some(s) => Some(s),
-            None if killed_by.is_some() => child.try_wait()?,
+            None if killed_by.is_some() => try_wait(group)?,
             None => None,
         };
         if let Some(status) = status {
@@ -306,7 +288,7 @@ fn guard(args: Spec) -> std::io::Result<i32> {
                 killed_by,
                 start_error: None,
             };
-            write_exit(&args, &rec)?;
+            write_exit(&args, &rec, pid_file)?;
             ledger(&args, "end", pid, Some(&rec));
             return Ok(0);
         }
@@ -402,19 +384,57 @@ fn reap_orphans(job: Pid) {
     }
 }
 
+/// The job's status once it has exited (the job is reaped then), without blocking.
+fn try_wait(job: Pid) -> std::io::Result<Option<ExitStatus>> {
+    let mut status = 0;
+    // SAFETY: waits for exactly the job, the guard's own child; `status` is writable.
+    match unsafe { nix::libc::waitpid(job.as_raw(), &mut status, nix::libc::WNOHANG) } {
+        0 => Ok(None),
+        p if p > 0 => Ok(Some(ExitStatus::from_raw(status))),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
 /// Whether a stop signal (the parent's death, SIGHUP from an abandon, SIGTERM) is pending.
 fn let_go(signals: &SignalFd) -> bool {
     matches!(signals.read_signal(), Ok(Some(_)))
 }
 
-fn write_exit(args: &Spec, rec: &ExitRecord) -> std::io::Result<()> {
+fn write_pid(args: &Spec, pid: i32) -> Option<std::fs::File> {
+    use std::io::Write;
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(pid_path(&args.dir, &args.name))
+        .ok()?;
+    f.write_all(pid.to_string().as_bytes()).ok()?;
+    Some(f)
+}
+
+/// Writes the record over the pid file (`pid_file`, or a new one), fsyncs it, renames it into
+/// place and fsyncs the folder: only then is the attempt's end on disk.
+fn write_exit(
+    args: &Spec,
+    rec: &ExitRecord,
+    pid_file: Option<std::fs::File>,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
     let path = exit_path(&args.dir, &args.name);
     let tmp = pid_path(&args.dir, &args.name);
-    std::fs::write(
-        &tmp,
-        serde_json::to_vec(rec).expect("exit record serializes"),
-    )?;
-    std::fs::File::open(&tmp)?.sync_all()?;
+    let body = serde_json::to_vec(rec).expect("exit record serializes");
+    let file = match pid_file {
+        Some(f) => f,
+        None => OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?,
+    };
+    file.set_len(0)?;
+    file.write_all_at(&body, 0)?;
+    file.sync_all()?;
+    drop(file);
     std::fs::rename(&tmp, &path)?;
     // The rename itself must survive a power loss: a lost record means a job run again.
     std::fs::File::open(&args.dir)?.sync_all()
