@@ -20,8 +20,12 @@ use crate::proto;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Guards {
-    /// `/bin/true` spawned and reaped per second, two at a time, through the spawner thread.
+    /// `/bin/true` spawned and reaped per second, two at a time, through the spawner thread:
+    /// the median of `bare_spawn_samples`, which the ratios use.
     pub bare_spawns_per_sec: f64,
+    /// The bare rate over 3 s before the legacy guard's run, between the runs and after the
+    /// small guard's.
+    pub bare_spawn_samples: Vec<f64>,
     /// End to end with the legacy guard (the small one's figures are the report's `e2e`).
     pub legacy: EndToEnd,
     pub memory: Vec<GuardMemory>,
@@ -62,6 +66,13 @@ pub async fn bare_spawn_rate(window: Duration) -> anyhow::Result<f64> {
     a?;
     b?;
     Ok(done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The median of unsorted `samples` (nearest rank; 0 for none).
+pub fn median(samples: &[f64]) -> f64 {
+    let mut v = samples.to_vec();
+    v.sort_by(f64::total_cmp);
+    super::stats::quantile(&v, 0.5)
 }
 
 /// `--guard <kind>` for a worker.

@@ -53,9 +53,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             "submit" => report.submit = Some(submit::run(&args, &at).await?),
             "e2e" => {
                 use crate::exec::program::GuardKind;
-                let bare = guards::bare_spawn_rate(std::time::Duration::from_secs(3)).await?;
+                // The bare rate is sampled around both runs: this VM's speed drifts within a
+                // minute, and one sample taken before them made the ratios swing.
+                let window = std::time::Duration::from_secs(3);
+                let mut bare = vec![guards::bare_spawn_rate(window).await?];
                 let legacy = e2e::run(&args, &at.join("legacy"), GuardKind::Legacy).await?;
+                bare.push(guards::bare_spawn_rate(window).await?);
                 report.e2e = Some(e2e::run(&args, &at.join("small"), GuardKind::Small).await?);
+                bare.push(guards::bare_spawn_rate(window).await?);
                 let n = args.guard_memory_jobs;
                 let mut memory = Vec::new();
                 for kind in [GuardKind::Legacy, GuardKind::Small] {
@@ -63,7 +68,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     memory.push(guards::memory(&args, &at, kind, n).await?);
                 }
                 report.guards = Some(guards::Guards {
-                    bare_spawns_per_sec: bare,
+                    bare_spawns_per_sec: guards::median(&bare),
+                    bare_spawn_samples: bare,
                     legacy,
                     memory,
                 });

@@ -315,8 +315,14 @@ impl Report {
             );
             let _ = writeln!(
                 o,
-                "  bare spawn rate (/bin/true, two at a time, through the spawner): {:.0} processes/s",
-                g.bare_spawns_per_sec
+                "  bare spawn rate (/bin/true, two at a time, through the spawner): {:.0} processes/s \
+                 (median of {} before, between and after the runs)",
+                g.bare_spawns_per_sec,
+                g.bare_spawn_samples
+                    .iter()
+                    .map(|r| format!("{r:.0}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             );
             for x in [&g.legacy, e] {
                 let _ = writeln!(
