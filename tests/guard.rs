@@ -323,6 +323,24 @@ fn the_job_starts_with_a_clean_state_in_its_folder_and_its_own_group() {
     }
 }
 
+/// The job owns its folder: one that empties it (its log and the guard's pid file with it), or
+/// leaves a file of its own where the record is about to be written, still gets its exit
+/// recorded (else a new leader would run a finished job again).
+#[test]
+fn a_job_that_clears_its_folder_still_gets_its_exit_recorded() {
+    for script in [
+        "rm -rf ./* ./.[!.]*; exit 4",
+        "rm -f attempt-1.exit.tmp; echo not-a-record > attempt-1.exit.tmp; exit 4",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut g = guard(dir.path(), "10s", script);
+        feed(&mut g, BootInstant::now() + Duration::from_secs(30));
+        assert_eq!(wait_exit(&mut g), 0, "{script}");
+        let rec = read_exit(dir.path(), "attempt-1").expect(script);
+        assert_eq!((rec.exit_code, rec.killed_by), (Some(4), None), "{script}");
+    }
+}
+
 /// The parent-death signal follows the thread that spawned the guard (which is why Baton spawns
 /// from one thread that lives as long as the process): when that thread ends, the guard kills
 /// its job at once, even though its pipe is still open and its deadline far away.

@@ -181,13 +181,12 @@ fn guard(args: Spec) -> std::io::Result<i32> {
                 start_error: Some(StartError::new(&args.command[0], &e)),
             };
             eprintln!("baton-guard: cannot start {:?}: {e}", args.command[0]);
-            write_exit(&args, &rec, None)?;
+            write_exit(&args, &rec)?;
             return Ok(0);
         }
     };
-    // Whoever finds this guard gone without an exit record kills the job's group by it. Kept
-    // open: the record is written over it through the same descriptor.
-    let pid_file = write_pid(&args, pid);
+    // Whoever finds this guard gone without an exit record kills the job's group by it.
+    let _ = std::fs::write(pid_path(&args.dir, &args.name), pid.to_string());
     ledger(&args, "start", pid, None);
     let group = Pid::from_raw(pid);
     // Without a pidfd (an old kernel, no descriptor left) the loop below still notices the
@@ -288,7 +287,7 @@ fn guard(args: Spec) -> std::io::Result<i32> {
                 killed_by,
                 start_error: None,
             };
-            write_exit(&args, &rec, pid_file)?;
+            write_exit(&args, &rec)?;
             ledger(&args, "end", pid, Some(&rec));
             return Ok(0);
         }
@@ -400,39 +399,19 @@ fn let_go(signals: &SignalFd) -> bool {
     matches!(signals.read_signal(), Ok(Some(_)))
 }
 
-fn write_pid(args: &Spec, pid: i32) -> Option<std::fs::File> {
+/// Writes the record over the pid file, fsyncs it, renames it into place and fsyncs the
+/// folder: only then is the attempt's end on disk. Opened by its name, not kept open since the
+/// pid was written: the job may have removed or replaced that file in its folder.
+fn write_exit(args: &Spec, rec: &ExitRecord) -> std::io::Result<()> {
     use std::io::Write;
-    let mut f = OpenOptions::new()
+    let path = exit_path(&args.dir, &args.name);
+    let tmp = pid_path(&args.dir, &args.name);
+    let mut file = OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
-        .open(pid_path(&args.dir, &args.name))
-        .ok()?;
-    f.write_all(pid.to_string().as_bytes()).ok()?;
-    Some(f)
-}
-
-/// Writes the record over the pid file (`pid_file`, or a new one), fsyncs it, renames it into
-/// place and fsyncs the folder: only then is the attempt's end on disk.
-fn write_exit(
-    args: &Spec,
-    rec: &ExitRecord,
-    pid_file: Option<std::fs::File>,
-) -> std::io::Result<()> {
-    use std::os::unix::fs::FileExt;
-    let path = exit_path(&args.dir, &args.name);
-    let tmp = pid_path(&args.dir, &args.name);
-    let body = serde_json::to_vec(rec).expect("exit record serializes");
-    let file = match pid_file {
-        Some(f) => f,
-        None => OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)?,
-    };
-    file.set_len(0)?;
-    file.write_all_at(&body, 0)?;
+        .open(&tmp)?;
+    file.write_all(&serde_json::to_vec(rec).expect("exit record serializes"))?;
     file.sync_all()?;
     drop(file);
     std::fs::rename(&tmp, &path)?;

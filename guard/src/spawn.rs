@@ -31,9 +31,58 @@ pub struct Launch {
     err: AtomicI32,
 }
 
-/// Enough for musl's and glibc's `execvp` (a `PATH_MAX` buffer, and glibc's argument copy for
-/// a script without `#!`); only the pages the child touches are ever backed.
-const STACK: usize = 256 * 1024;
+/// The child's stack beyond what glibc's `execvp` puts there per argument (its fallback for a
+/// script without `#!` copies the argument vector onto the stack, as `posix_spawn` sizes for):
+/// a `PATH_MAX` buffer and the frames of a few calls. Only the pages the child touches are ever
+/// backed, and a page below it is left unmapped, so an overflow faults in the child instead of
+/// writing over the guard's memory.
+const STACK_BASE: usize = 64 * 1024;
+
+/// An anonymous mapping for the child's stack, with an inaccessible page at its low end.
+struct Stack {
+    base: *mut libc::c_void,
+    len: usize,
+}
+
+impl Stack {
+    fn new(args: usize) -> io::Result<Stack> {
+        let page = 4096;
+        let len =
+            (STACK_BASE + (args + 2) * std::mem::size_of::<usize>()).div_ceil(page) * page + page;
+        // SAFETY: a fresh private anonymous mapping; checked below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let stack = Stack { base, len };
+        // SAFETY: the lowest page of the mapping just made.
+        if unsafe { libc::mprotect(base, page, libc::PROT_NONE) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(stack)
+    }
+
+    /// The initial stack pointer: the stack grows down from the end, 16-byte aligned.
+    fn top(&self) -> *mut libc::c_void {
+        ((self.base as usize + self.len) & !15) as *mut libc::c_void
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping `new` made, once the child no longer uses it.
+        unsafe { libc::munmap(self.base, self.len) };
+    }
+}
 
 impl Launch {
     /// `stdin` and `log` become the job's standard input and its output (stdout and stderr).
@@ -71,20 +120,18 @@ impl Launch {
     /// error is either the clone's (the host is short of something) or the child's, before or
     /// at its exec (the command or its folder), in which case the child is already reaped.
     pub fn spawn(self) -> io::Result<libc::pid_t> {
-        let mut stack: Vec<u8> = Vec::with_capacity(STACK);
-        // The stack grows down from its end, 16-byte aligned as the ABI wants.
-        let top = (stack.as_mut_ptr() as usize + STACK) & !15;
+        let stack = Stack::new(self.argv.len())?;
         let all = full_set();
         let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
         // SAFETY: valid sigset pointers; blocking every signal here means no handler of the
         // guard's can run in the child while it shares the guard's memory.
         unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old) };
-        // SAFETY: `child` runs on its own stack inside `stack`, which outlives it (CLONE_VFORK
+        // SAFETY: `child` runs on its own stack, `stack`, which outlives it (CLONE_VFORK
         // returns only after the child's exec or exit), and only reads `self`.
         let pid = unsafe {
             libc::clone(
                 child,
-                top as *mut libc::c_void,
+                stack.top(),
                 libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
                 &self as *const Launch as *mut libc::c_void,
             )
