@@ -274,12 +274,16 @@ fn the_job_starts_with_a_clean_state_in_its_folder_and_its_own_group() {
     let job_log = |command: &[&str]| {
         let dir = tempfile::tempdir().unwrap();
         let mut g = start(&spec(dir.path(), 10_000, command));
+        // The guard's stdin pipe, as `/proc/<pid>/fd` names it (`pipe:[<inode>]`).
+        let fd = std::os::fd::AsRawFd::as_raw_fd(g.stdin.as_ref().unwrap());
+        let pipe = std::fs::read_link(format!("/proc/self/fd/{fd}")).unwrap();
         feed(&mut g, BootInstant::now() + Duration::from_secs(30));
         assert_eq!(wait_exit(&mut g), 0);
         let rec = read_exit(dir.path(), "attempt-1").unwrap();
         assert_eq!((rec.exit_code, rec.start_error), (Some(0), None));
         let log_path = dir.path().canonicalize().unwrap().join("attempt-1.log");
-        (std::fs::read_to_string(&log_path).unwrap(), log_path, dir)
+        let log = std::fs::read_to_string(&log_path).unwrap();
+        (log, log_path, pipe.display().to_string(), dir)
     };
     let field = |log: &str, name: &str| {
         log.lines()
@@ -288,14 +292,13 @@ fn the_job_starts_with_a_clean_state_in_its_folder_and_its_own_group() {
             .trim()
             .to_string()
     };
-    let (log, _, _dir) = job_log(&["grep", "-E", "^Sig(Blk|Ign):", "/proc/self/status"]);
+    let (log, _, _, _dir) = job_log(&["grep", "-E", "^Sig(Blk|Ign):", "/proc/self/status"]);
     assert_eq!(field(&log, "SigBlk:"), "0000000000000000", "{log}");
     let ignored = u64::from_str_radix(&field(&log, "SigIgn:"), 16).unwrap();
     assert_eq!(ignored & (1 << (nix::libc::SIGPIPE - 1)), 0, "{log}");
 
-    let script = "echo cwd $(pwd); set -- $(sed 's/.*) //' /proc/$$/stat); \
-        echo group $3 pid $$; exec ls -l /proc/self/fd/";
-    let (log, log_path, dir) = job_log(&["sh", "-c", script]);
+    let script = "echo cwd $(pwd); set -- $(sed 's/.*) //' /proc/$$/stat); echo group $3 pid $$";
+    let (log, _, _, dir) = job_log(&["sh", "-c", script]);
     let field = |name: &str| field(&log, name);
     assert_eq!(
         field("cwd "),
@@ -304,6 +307,9 @@ fn the_job_starts_with_a_clean_state_in_its_folder_and_its_own_group() {
     let group = field("group ");
     let mut f = group.split_whitespace();
     assert_eq!(f.next(), f.nth(1), "the job leads its own group: {log}");
+
+    // The descriptors, listed by `ls` started as the job itself (a shell opens its own).
+    let (log, log_path, pipe, _dir) = job_log(&["ls", "-l", "/proc/self/fd/"]);
     // `ls -l /proc/self/fd/`: `<n> -> <target>` per descriptor.
     let fds: Vec<(u32, &str)> = log
         .lines()
@@ -314,30 +320,66 @@ fn the_job_starts_with_a_clean_state_in_its_folder_and_its_own_group() {
     assert!(fds.contains(&(0, "/dev/null")), "{log}");
     assert!(fds.contains(&(1, log_target.as_str())), "{log}");
     assert!(fds.contains(&(2, log_target.as_str())), "{log}");
-    for (n, target) in &fds {
+    // Beyond 0-2 and `ls`'s own folder, only what the guard was given to pass on (this test
+    // process's descriptors without close-on-exec: cargo's jobserver, say), never one of the
+    // guard's own: its stdin pipe (and the copy it reads the feed from), its signalfd,
+    // /dev/null or the log it opened for the job.
+    assert!(pipe.starts_with("pipe:["), "{pipe}");
+    let inherited = |n: u32, target: &str| {
+        let ours = std::fs::read_link(format!("/proc/self/fd/{n}"))
+            .is_ok_and(|t| t.display().to_string() == target);
+        let flags = std::fs::read_to_string(format!("/proc/self/fdinfo/{n}")).unwrap_or_default();
+        let cloexec = flags
+            .lines()
+            .find_map(|l| l.strip_prefix("flags:"))
+            .and_then(|f| u32::from_str_radix(f.trim(), 8).ok())
+            .is_none_or(|f| f & nix::libc::O_CLOEXEC as u32 != 0);
+        ours && !cloexec && target != pipe
+    };
+    for (n, target) in fds.iter().filter(|(n, _)| *n > 2) {
         assert!(
-            !target.contains("signalfd") && !target.contains("pidfd") && *target != log_target
-                || *n <= 2,
-            "a guard's descriptor leaked into the job: {log}"
+            target.starts_with("/proc/") && target.ends_with("/fd") || inherited(*n, target),
+            "descriptor {n} ({target}) of the job is not one the guard was given: {log}"
+        );
+        assert!(
+            !target.contains("signalfd") && *target != log_target,
+            "the guard's descriptor {n} ({target}) leaked into the job: {log}"
         );
     }
 }
 
-/// The job owns its folder: one that empties it (its log and the guard's pid file with it), or
-/// leaves a file of its own where the record is about to be written, still gets its exit
-/// recorded (else a new leader would run a finished job again).
+/// The job owns its folder: one that empties it (its log and the guard's pid file with it),
+/// removes it, or leaves something of its own where the record is about to be written (a file,
+/// a symlink, a FIFO, a folder), still gets its exit recorded (else a new leader would run a
+/// finished job again), and nothing outside its folder is written.
 #[test]
 fn a_job_that_clears_its_folder_still_gets_its_exit_recorded() {
-    for script in [
-        "rm -rf ./* ./.[!.]*; exit 4",
-        "rm -f attempt-1.exit.tmp; echo not-a-record > attempt-1.exit.tmp; exit 4",
+    let outside = tempfile::tempdir().unwrap();
+    let victim = outside.path().join("victim");
+    std::fs::write(&victim, "untouched").unwrap();
+    // Each job first waits for the guard's pid file, which is written after the job started.
+    let wait = "until [ -s attempt-1.exit.tmp ]; do sleep 0.01; done";
+    let tmp = "attempt-1.exit.tmp";
+    for then in [
+        "rm -rf ./* ./.[!.]*".to_string(),
+        "cd /; rm -rf \"$BATON_JOB_DIR\"".to_string(),
+        format!("rm -f {tmp}; echo not-a-record > {tmp}"),
+        format!("rm -f {tmp}; ln -s {} {tmp}", victim.display()),
+        format!("rm -f {tmp}; mkfifo {tmp}"),
+        format!("rm -f {tmp}; mkdir {tmp}; touch {tmp}/x"),
     ] {
+        let script = format!("{wait}; {then}; exit 4");
         let dir = tempfile::tempdir().unwrap();
-        let mut g = guard(dir.path(), "10s", script);
+        let mut g = guard(dir.path(), "10s", &script);
         feed(&mut g, BootInstant::now() + Duration::from_secs(30));
         assert_eq!(wait_exit(&mut g), 0, "{script}");
-        let rec = read_exit(dir.path(), "attempt-1").expect(script);
+        let rec = read_exit(dir.path(), "attempt-1").expect(&script);
         assert_eq!((rec.exit_code, rec.killed_by), (Some(4), None), "{script}");
+        assert_eq!(
+            std::fs::read_to_string(&victim).unwrap(),
+            "untouched",
+            "{script}"
+        );
     }
 }
 

@@ -403,20 +403,42 @@ fn let_go(signals: &SignalFd) -> bool {
 /// folder: only then is the attempt's end on disk. Opened by its name, not kept open since the
 /// pid was written: the job may have removed or replaced that file in its folder.
 fn write_exit(args: &Spec, rec: &ExitRecord) -> std::io::Result<()> {
-    use std::io::Write;
     let path = exit_path(&args.dir, &args.name);
     let tmp = pid_path(&args.dir, &args.name);
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&tmp)?;
-    file.write_all(&serde_json::to_vec(rec).expect("exit record serializes"))?;
-    file.sync_all()?;
-    drop(file);
+    let body = serde_json::to_vec(rec).expect("exit record serializes");
+    if write_synced(&tmp, &body, false).is_err() {
+        // Something of the job's where the pid file was (a symlink, a FIFO, a folder), or no
+        // folder at all: a new file instead. Only then, as ext4 without a journal pays for
+        // every new inode.
+        let _ = std::fs::remove_file(&tmp).or_else(|_| std::fs::remove_dir_all(&tmp));
+        let _ = std::fs::create_dir_all(&args.dir);
+        write_synced(&tmp, &body, true)?;
+    }
     std::fs::rename(&tmp, &path)?;
     // The rename itself must survive a power loss: a lost record means a job run again.
     std::fs::File::open(&args.dir)?.sync_all()
+}
+
+/// Writes `body` as the whole of the regular file `path` and fsyncs it: an existing file
+/// (never through a symlink, never blocking on a FIFO), or only a new one if `new`.
+fn write_synced(path: &std::path::Path, body: &[u8], new: bool) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut opts = OpenOptions::new();
+    opts.write(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK);
+    if new {
+        opts.create_new(true);
+    } else {
+        opts.create(true);
+    }
+    let mut file = opts.open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::from_raw_os_error(nix::libc::EINVAL));
+    }
+    file.set_len(0)?;
+    file.write_all(body)?;
+    file.sync_all()
 }
 
 /// `errno`s of a failed spawn that say the host is short of something, not that the command

@@ -46,7 +46,11 @@ struct Stack {
 
 impl Stack {
     fn new(args: usize) -> io::Result<Stack> {
-        let page = 4096;
+        // SAFETY: sysconf has no preconditions.
+        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+            p if p > 0 => p as usize,
+            _ => 4096,
+        };
         let len =
             (STACK_BASE + (args + 2) * std::mem::size_of::<usize>()).div_ceil(page) * page + page;
         // SAFETY: a fresh private anonymous mapping; checked below.

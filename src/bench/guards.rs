@@ -184,3 +184,18 @@ fn rollup(pid: i32, fields: &[&str]) -> anyhow::Result<u64> {
         })
         .sum())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    #[test]
+    fn the_median_is_the_middle_sample_whatever_their_order() {
+        assert_eq!(median(&[5.0, 1.0, 3.0]), 3.0);
+        assert_eq!(median(&[1.0, 5.0, 3.0]), 3.0);
+        assert_eq!(median(&[3.0, 5.0, 1.0]), 3.0);
+        // Nearest rank: the lower of the middle two.
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.0);
+        assert_eq!(median(&[]), 0.0);
+    }
+}
