@@ -343,7 +343,8 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<i32> {
     let drained = control.drain(&target, DRAIN_BOUND).await;
     drop(progress);
     let mut verdicts = check::verify(&target, &submitted, &rounds, drained).await?;
-    verdicts.push(schedules::check(&target, seed, &check::ledger(&target)).await?);
+    let ledger = check::ledger(&target);
+    verdicts.push(schedules::check(&target, seed, &ledger, control.interrupted()).await?);
     if let (Some(path), Some(sampler), Some(ledger)) = (&args.history, sampler, &target.ledger) {
         let prefix = format!("/baton/{}/", target.cluster);
         let n = history::write(&target.etcd, &prefix, &sampler.stop(), ledger, path).await?;

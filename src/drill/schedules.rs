@@ -99,13 +99,56 @@ pub async fn stop(c: &ClientArgs, seed: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What one schedule's status says against invariant 8: its counts add up to every tick between
+/// its creation and its watermark, nothing `missed` or `conflict`, and, in a drill that ran to
+/// its end, something fired.
+fn ticks_checked(
+    name: &str,
+    timing: &Timing,
+    created_at_ms: u64,
+    status: Option<&ScheduleStatus>,
+    interrupted: bool,
+) -> Vec<String> {
+    let mut ev = Vec::new();
+    let Some(status) = status else {
+        if !interrupted {
+            ev.push(format!("{name}: no status: it never fired"));
+        }
+        return ev;
+    };
+    let ticks = timing.count(created_at_ms, status.watermark_ms, u64::MAX);
+    let counted: u64 = status.counts.values().sum();
+    if counted != ticks {
+        ev.push(format!(
+            "{name}: {counted} ticks decided ({:?}) of {ticks} up to the watermark",
+            status.counts
+        ));
+    }
+    if status.counts.get("fired").copied().unwrap_or(0) == 0 && !interrupted {
+        ev.push(format!("{name}: nothing fired"));
+    }
+    for bad in ["conflict", "missed"] {
+        if let Some(n) = status.counts.get(bad) {
+            ev.push(format!("{name}: {n} ticks {bad}"));
+        }
+    }
+    ev
+}
+
 async fn get_one(t: &Target, key: String) -> anyhow::Result<Option<etcd_client::KeyValue>> {
     let mut c = etcd_client::Client::connect(&t.etcd, None).await?;
     Ok(c.get(key, None::<GetOptions>).await?.kvs().first().cloned())
 }
 
-/// Invariant 8. `ledger`: the guards' executions (empty for a remote drill).
-pub async fn check(t: &Target, seed: u64, ledger: &[LedgerEntry]) -> anyhow::Result<Verdict> {
+/// Invariant 8. `ledger`: the guards' executions (empty for a remote drill). `interrupted`: the
+/// drill was stopped early, perhaps before a schedule's first tick came due, so that a schedule
+/// fired nothing says nothing; every tick it did decide is still checked.
+pub async fn check(
+    t: &Target,
+    seed: u64,
+    ledger: &[LedgerEntry],
+    interrupted: bool,
+) -> anyhow::Result<Verdict> {
     let mut ev = Vec::new();
     let prefix = format!("/baton/{}/", t.cluster);
     for ((_, _, overlap, _), name) in SCHEDULES.iter().zip(names(seed)) {
@@ -115,29 +158,24 @@ pub async fn check(t: &Target, seed: u64, ledger: &[LedgerEntry]) -> anyhow::Res
         };
         let rec: ScheduleRecord = codec::decode(def.key(), def.value(), SCHEDULE_VERSION)?;
         let status = match get_one(t, format!("{prefix}schedule-status/{name}")).await? {
-            Some(kv) => codec::decode::<ScheduleStatus>(kv.key(), kv.value(), STATUS_VERSION)?,
-            None => {
-                ev.push(format!("{name}: no status: it never fired"));
-                continue;
-            }
+            Some(kv) => Some(codec::decode::<ScheduleStatus>(
+                kv.key(),
+                kv.value(),
+                STATUS_VERSION,
+            )?),
+            None => None,
         };
-        // Every tick accounted for, none twice.
         let timing = Timing::new(&rec.cron, &rec.tz, rec.anchor_ms)?;
-        let ticks = timing.count(rec.created_at_ms, status.watermark_ms, u64::MAX);
-        let counted: u64 = status.counts.values().sum();
-        if counted != ticks {
-            ev.push(format!(
-                "{name}: {counted} ticks decided ({:?}) of {ticks} up to the watermark",
-                status.counts
-            ));
-        }
-        if status.counts.get("fired").copied().unwrap_or(0) == 0 {
-            ev.push(format!("{name}: nothing fired"));
-        }
-        for bad in ["conflict", "missed"] {
-            if let Some(n) = status.counts.get(bad) {
-                ev.push(format!("{name}: {n} ticks {bad}"));
-            }
+        let found = ticks_checked(
+            &name,
+            &timing,
+            rec.created_at_ms,
+            status.as_ref(),
+            interrupted,
+        );
+        ev.extend(found);
+        if status.is_none() {
+            continue;
         }
         // No two runs at once, for forbid and replace.
         if *overlap == OverlapPolicy::OverlapAllow {
@@ -205,4 +243,42 @@ pub async fn check(t: &Target, seed: u64, ledger: &[LedgerEntry]) -> anyhow::Res
         "schedules: at most one job per tick, every tick accounted for, no forbid/replace runs at once",
         ev,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(watermark_ms: u64, counts: &[(&str, u64)]) -> ScheduleStatus {
+        ScheduleStatus {
+            watermark_ms,
+            counts: counts.iter().map(|(k, n)| (k.to_string(), *n)).collect(),
+            ..ScheduleStatus::new(1)
+        }
+    }
+
+    #[test]
+    fn an_interrupted_drill_demands_no_fire_but_checks_every_tick_decided() {
+        let every_second = Timing::new("* * * * * *", "UTC", 0).unwrap();
+        let created = 1_000_000;
+        let check = |s: Option<&ScheduleStatus>, interrupted| {
+            ticks_checked("s", &every_second, created, s, interrupted)
+        };
+        // Stopped before its first tick: nothing to say when interrupted, a failure otherwise.
+        assert!(check(None, true).is_empty());
+        assert_eq!(check(None, false), ["s: no status: it never fired"]);
+        let none_fired = status(created + 2_000, &[("paused", 2)]);
+        assert!(check(Some(&none_fired), true).is_empty());
+        assert_eq!(check(Some(&none_fired), false), ["s: nothing fired"]);
+        // The ticks decided are checked either way.
+        let short = status(created + 3_000, &[("fired", 2)]);
+        for interrupted in [true, false] {
+            let found = check(Some(&short), interrupted);
+            assert_eq!(found.len(), 1, "{found:?}");
+            assert!(found[0].contains("2 ticks decided"), "{found:?}");
+        }
+        let missed = status(created + 2_000, &[("fired", 1), ("missed", 1)]);
+        assert_eq!(check(Some(&missed), true), ["s: 1 ticks missed"]);
+        assert!(check(Some(&status(created + 2_000, &[("fired", 2)])), false).is_empty());
+    }
 }
