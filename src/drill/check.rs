@@ -199,6 +199,42 @@ pub fn restarted_in(lab: &Target, after: BootInstant, term: i64) -> usize {
         .count()
 }
 
+/// Jobs with an execution (an attempt) on `worker` that started and has not ended.
+pub fn running_on(lab: &Target, worker: &str) -> HashSet<String> {
+    executions(&ledger(lab))
+        .into_iter()
+        .filter(|(_, runs)| {
+            runs.iter().any(|x| {
+                x.end_ns.is_none()
+                    && x.name.starts_with("attempt-")
+                    && x.worker.as_deref() == Some(worker)
+            })
+        })
+        .map(|(id, _)| id)
+        .collect()
+}
+
+/// Whether some job of `jobs` still runs on `worker` with no execution assigned after `term`
+/// (its token above it) yet: resuming that worker now would end the execution before the new
+/// leader could start it again, and hide an overlap.
+pub fn awaiting_restart(lab: &Target, worker: &str, jobs: &HashSet<String>, term: i64) -> bool {
+    let l = ledger(lab);
+    let all = executions(&l);
+    jobs.iter().any(|id| {
+        let running = all.get(id).is_some_and(|runs| {
+            runs.iter().any(|x| {
+                x.end_ns.is_none()
+                    && x.name.starts_with("attempt-")
+                    && x.worker.as_deref() == Some(worker)
+            })
+        });
+        let again = l.iter().any(|e| {
+            e.event == "start" && e.term > term && e.name.starts_with("attempt-") && e.job_id == *id
+        });
+        running && !again
+    })
+}
+
 /// One execution, from its ledger start and end.
 #[derive(Debug)]
 struct Execution {

@@ -426,6 +426,12 @@ async fn inject(
     let dirty_before = check::count_prefix(&lab.target(), "results/dirty/")
         .await
         .unwrap_or(0);
+    // The executions a pause leaves running on the leader's embedded worker: the new leader
+    // must have started them elsewhere before the pause ends.
+    let paused_runs = match fault {
+        "pause" => check::running_on(&lab.target(), &before.replica_id),
+        _ => Default::default(),
+    };
     let t0 = Instant::now();
     let b0 = BootInstant::now();
     // Whose executions this fault may cut: the leader's embedded worker, the follower's, or
@@ -491,6 +497,17 @@ async fn inject(
             let held = lab.ttl * 4;
             if t0.elapsed() < held {
                 tokio::time::sleep(held - t0.elapsed()).await;
+            }
+            // On a loaded host the new leader may take longer than the TTLs say: while an
+            // execution of the paused worker still runs (its guard did not kill it: the
+            // negative control), hold until the new leader has started it elsewhere (bounded),
+            // so a resume never ends it first and hides the overlap.
+            let bound = Instant::now() + Duration::from_secs(30);
+            let worker = &before.replica_id;
+            while Instant::now() < bound
+                && check::awaiting_restart(&lab.target(), worker, &paused_runs, new_term)
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
             lab.replicas[k].resume();
         }
