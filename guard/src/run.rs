@@ -8,8 +8,8 @@
 //! - kills it at once when the pipe reaches EOF (only its parent holds the write end, so EOF is
 //!   the parent's death) or the spawning thread dies (parent-death signal, set by the guard
 //!   itself: nothing runs between fork and exec in the parent);
-//! - gives the job a parent-death SIGKILL of its own and checks its parent between fork and
-//!   exec, so a guard killed by anything (the OOM killer) takes its job with it;
+//! - gives the job a parent-death SIGKILL of its own and checks its parent before its exec
+//!   ([`crate::spawn`]), so a guard killed by anything (the OOM killer) takes its job with it;
 //! - runs the job at `nice`, and keeps its own priority, so a busy host starves jobs first;
 //! - enforces the attempt's timeout and a cancel (SIGTERM, then SIGKILL after a grace period);
 //! - after reaping the job, kills what is left of its group, waits until the group is empty
