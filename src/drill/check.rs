@@ -201,7 +201,11 @@ pub fn restarted_in(lab: &Target, after: BootInstant, term: i64) -> usize {
 
 /// Jobs with an execution (an attempt) on `worker` that started and has not ended.
 pub fn running_on(lab: &Target, worker: &str) -> HashSet<String> {
-    executions(&ledger(lab))
+    running_in(&ledger(lab), worker)
+}
+
+fn running_in(l: &[LedgerEntry], worker: &str) -> HashSet<String> {
+    executions(l)
         .into_iter()
         .filter(|(_, runs)| {
             runs.iter().any(|x| {
@@ -219,20 +223,14 @@ pub fn running_on(lab: &Target, worker: &str) -> HashSet<String> {
 /// leader could start it again, and hide an overlap.
 pub fn awaiting_restart(lab: &Target, worker: &str, jobs: &HashSet<String>, term: i64) -> bool {
     let l = ledger(lab);
-    let all = executions(&l);
-    jobs.iter().any(|id| {
-        let running = all.get(id).is_some_and(|runs| {
-            runs.iter().any(|x| {
-                x.end_ns.is_none()
-                    && x.name.starts_with("attempt-")
-                    && x.worker.as_deref() == Some(worker)
-            })
-        });
-        let again = l.iter().any(|e| {
-            e.event == "start" && e.term > term && e.name.starts_with("attempt-") && e.job_id == *id
-        });
-        running && !again
-    })
+    let again: HashSet<&str> = l
+        .iter()
+        .filter(|e| e.event == "start" && e.term > term && e.name.starts_with("attempt-"))
+        .map(|e| e.job_id.as_str())
+        .collect();
+    running_in(&l, worker)
+        .iter()
+        .any(|id| jobs.contains(id) && !again.contains(id.as_str()))
 }
 
 /// One execution, from its ledger start and end.
