@@ -101,6 +101,25 @@ fn every_scenario_runs_at_tiny_sizes_and_reports_real_figures() {
     assert_eq!(report["guards"]["legacy"]["guard"], "legacy");
     assert_eq!(num(&report, &["guards", "legacy", "jobs"]), 20.0);
     assert!(num(&report, &["guards", "legacy", "clean_per_sec"]) > 0.0);
+    // Each run's CPU per job, by kind of process: the guards and their jobs (the workers'
+    // reaped children) used some, and no kind is counted twice: together they stay within what
+    // the machine's cores spent (give or take a tick per process of the 7, over 20 jobs).
+    for run in [&report["e2e"], &report["guards"]["legacy"]] {
+        let cpu = &run["cpu"];
+        let part = |k: &str| num(cpu, &[k]);
+        let kinds = [
+            "etcd_ms",
+            "leader_ms",
+            "followers_ms",
+            "workers_ms",
+            "guards_and_jobs_ms",
+            "bench_ms",
+        ];
+        assert!(kinds.iter().all(|k| part(k) >= 0.0), "{cpu:#}");
+        assert!(part("guards_and_jobs_ms") > 0.0, "{cpu:#}");
+        let sum: f64 = kinds.iter().map(|k| part(k)).sum();
+        assert!(sum <= part("machine_ms") + 7.0 * 10.0 / 20.0, "{cpu:#}");
+    }
     for (n, kind) in ["legacy", "small"].iter().enumerate() {
         assert_eq!(report["guards"]["memory"][n]["guard"], *kind);
         let i = &n.to_string();

@@ -11,6 +11,7 @@ use futures_util::StreamExt;
 use serde::Serialize;
 
 use super::cluster::{BenchCluster, Shape};
+use super::cost::{CpuPerJob, Meter};
 use super::etcdstats::{self, Counts};
 use super::submit::trivial;
 use crate::config::BenchArgs;
@@ -37,6 +38,8 @@ pub struct EndToEnd {
     pub settings: String,
     /// The workers' guard (`small` or `legacy`).
     pub guard: String,
+    /// What each job cost each kind of process in CPU.
+    pub cpu: CpuPerJob,
 }
 
 /// Submitting clients.
@@ -128,6 +131,7 @@ pub async fn measure(
 
     let before = etcdstats::read(&c.etcd).await;
     let n = args.e2e_jobs;
+    let meter = Meter::start(&c, leader)?;
     let started = Instant::now();
     let submitting = tokio::spawn({
         let client = client.clone();
@@ -187,6 +191,7 @@ pub async fn measure(
             }
         }
     }
+    let used = meter.per_job(n)?;
     let _ = submitting.await;
     let cpu = super::usage::cpu_percent(
         super::usage::cpu_ticks(follower_pid)?.saturating_sub(ticks),
@@ -217,6 +222,7 @@ pub async fn measure(
         etcd_ranges_per_job: per(spent.ranges),
         settings,
         guard: guard.name().into(),
+        cpu: used,
     };
     Ok((e, consoles))
 }

@@ -1,7 +1,8 @@
 //! `baton bench`: Baton measured against raw etcd in the same run, on clusters it starts itself
 //! (like `baton dev`), one fresh cluster per scenario:
 //! - [`submit`]: `SubmitJob` from C clients next to raw transactions of the same shape;
-//! - [`e2e`]: trivial jobs from submission to a clean result, and their cost in etcd requests;
+//! - [`e2e`]: trivial jobs from submission to a clean result, their cost in etcd requests and,
+//!   with [`cost`], in each kind of process's CPU;
 //!   with [`guards`], the bare spawn rate, the legacy guard's rate and each guard's memory;
 //! - [`recovery`]: a new leader taking in N preloaded jobs, next to a raw paged read;
 //! - [`failover`]: leader SIGKILLs and SIGTERMs;
@@ -14,6 +15,7 @@
 
 mod cluster;
 mod console;
+mod cost;
 mod e2e;
 mod etcdstats;
 mod failover;

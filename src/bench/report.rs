@@ -307,6 +307,7 @@ impl Report {
                 e.etcd_writes_per_job,
                 e.etcd_ranges_per_job
             );
+            let _ = writeln!(o, "  {}", e.cpu.line());
         }
         if let (Some(e), Some(g)) = (&self.e2e, &self.guards) {
             let _ = writeln!(
@@ -333,6 +334,7 @@ impl Report {
                     x.clean_per_sec / g.bare_spawns_per_sec.max(f64::MIN_POSITIVE),
                     x.settings
                 );
+                let _ = writeln!(o, "          {}", x.cpu.line());
             }
             for m in &g.memory {
                 let _ = writeln!(

@@ -28,15 +28,17 @@ pub async fn sample(pid: i32, window: Duration) -> anyhow::Result<Usage> {
 
 /// Of one core: `ticks` of CPU over `secs` of wall time.
 pub fn cpu_percent(ticks: u64, secs: f64) -> f64 {
-    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-        .ok()
-        .flatten()
-        .unwrap_or(100) as f64;
-    100.0 * ticks as f64 / hz / secs
+    100.0 * ticks as f64 / clock_hz() / secs
 }
 
 /// utime + stime of a process, in clock ticks.
 pub fn cpu_ticks(pid: i32) -> anyhow::Result<u64> {
+    Ok(cpu_ticks_split(pid)?.0)
+}
+
+/// utime + stime of a process, and cutime + cstime (what its children, and theirs, used once
+/// reaped), in clock ticks.
+pub fn cpu_ticks_split(pid: i32) -> anyhow::Result<(u64, u64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .with_context(|| format!("reading /proc/{pid}/stat"))?;
     // Fields after the command name (which may hold spaces) start after the last ')'.
@@ -45,14 +47,44 @@ pub fn cpu_ticks(pid: i32) -> anyhow::Result<u64> {
         .map(|(_, r)| r)
         .ok_or_else(|| anyhow!("unreadable /proc/{pid}/stat"))?;
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of the line: indexes 11 and 12 after the name.
+    // Fields 14 to 17 of the line (utime, stime, cutime, cstime): indexes 11 to 14 after the
+    // name.
     let field = |i: usize| -> anyhow::Result<u64> {
         fields
             .get(i)
             .and_then(|f| f.parse().ok())
             .ok_or_else(|| anyhow!("unreadable /proc/{pid}/stat"))
     };
-    Ok(field(11)? + field(12)?)
+    Ok((field(11)? + field(12)?, field(13)? + field(14)?))
+}
+
+/// Every core's busy time since boot (`/proc/stat`: user, nice, system, irq, softirq and
+/// steal; not idle or iowait), in clock ticks.
+pub fn machine_busy_ticks() -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
+    let line = stat
+        .lines()
+        .find(|l| l.starts_with("cpu "))
+        .ok_or_else(|| anyhow!("no cpu line in /proc/stat"))?;
+    let f: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    let at = |i: usize| f.get(i).copied().unwrap_or(0);
+    Ok(at(0) + at(1) + at(2) + at(5) + at(6) + at(7))
+}
+
+/// Milliseconds in `ticks` clock ticks.
+pub fn ticks_ms(ticks: u64) -> f64 {
+    1000.0 * ticks as f64 / clock_hz()
+}
+
+fn clock_hz() -> f64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .unwrap_or(100) as f64
 }
 
 fn rss_kib(pid: i32) -> anyhow::Result<u64> {
@@ -72,5 +104,6 @@ mod tests {
         let pid = std::process::id() as i32;
         assert!(super::rss_kib(pid).unwrap() > 0);
         super::cpu_ticks(pid).unwrap();
+        assert!(super::machine_busy_ticks().unwrap() > 0);
     }
 }

@@ -222,6 +222,14 @@ impl EtcdCluster {
             .collect()
     }
 
+    /// The process ids of the members running now.
+    pub fn pids(&self) -> Vec<i32> {
+        self.members
+            .iter()
+            .filter_map(|m| m.child.as_ref().map(|c| c.id() as i32))
+            .collect()
+    }
+
     pub fn size(&self) -> usize {
         self.members.len()
     }
