@@ -5,17 +5,22 @@
 use serde::Serialize;
 
 use super::cluster::BenchCluster;
-use super::usage::{cpu_ticks_split, machine_busy_ticks, ticks_ms};
+use super::usage::{cpu_ticks_split, machine_ticks, ticks_ms};
 
 /// Milliseconds of CPU per job, from the first submission to the last clean result.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct CpuPerJob {
-    /// Every core's busy time, whoever used it (kernel threads and other processes included).
+    /// Every core's busy time, whoever used it (kernel threads and other processes included;
+    /// not the hypervisor's steal).
     pub machine_ms: f64,
+    /// Time the hypervisor ran something else while a core had work (this VM's drift).
+    pub steal_ms: f64,
     /// Every etcd member.
     pub etcd_ms: f64,
     /// The coordinator that led when the run began.
     pub leader_ms: f64,
+    /// Leadership moved during the run: the leader's and the others' figures are mixed.
+    pub leader_moved: bool,
     /// The other coordinators (the submissions go to one of them).
     pub followers_ms: f64,
     /// The worker processes themselves.
@@ -33,7 +38,7 @@ pub struct Meter {
     followers: Vec<Mark>,
     workers: Vec<Mark>,
     bench: Vec<Mark>,
-    machine: u64,
+    machine: (u64, u64),
 }
 
 /// One process and its (own, children's) ticks at the start.
@@ -67,8 +72,9 @@ fn spent(marks: &[Mark]) -> anyhow::Result<(u64, u64)> {
 }
 
 impl Meter {
-    /// Marks every process of `c`, `leader` being the index of the leading replica.
-    pub fn start(c: &BenchCluster, leader: usize) -> anyhow::Result<Meter> {
+    /// Marks every process of `c`, `leader` being the index of the leading replica; `None`
+    /// (with a warning) when one cannot be read: the figures are left out, the run goes on.
+    pub fn start(c: &BenchCluster, leader: usize) -> Option<Meter> {
         let replicas = |lead: bool| {
             c.replicas
                 .iter()
@@ -76,30 +82,44 @@ impl Meter {
                 .filter(move |(i, _)| (*i == leader) == lead)
                 .map(|(_, r)| r.pid())
         };
-        Ok(Meter {
-            etcd: marks(c.etcd.pids())?,
-            leader: marks(replicas(true))?,
-            followers: marks(replicas(false))?,
-            workers: marks(c.workers.iter().map(|w| w.pid()))?,
-            bench: marks([std::process::id() as i32])?,
-            machine: machine_busy_ticks()?,
-        })
+        let meter = || -> anyhow::Result<Meter> {
+            Ok(Meter {
+                etcd: marks(c.etcd.pids())?,
+                leader: marks(replicas(true))?,
+                followers: marks(replicas(false))?,
+                workers: marks(c.workers.iter().map(|w| w.pid()))?,
+                bench: marks([std::process::id() as i32])?,
+                machine: machine_ticks()?,
+            })
+        };
+        meter()
+            .inspect_err(|e| tracing::warn!(error = %e, "CPU per job left out"))
+            .ok()
     }
 
-    /// What `jobs` jobs cost per job since [`Meter::start`].
-    pub fn per_job(&self, jobs: usize) -> anyhow::Result<CpuPerJob> {
+    /// What `jobs` jobs cost per job since [`Meter::start`]; `None` (with a warning) when a
+    /// process cannot be read any more. Whether leadership moved is the caller's to say.
+    pub fn per_job(&self, jobs: usize) -> Option<CpuPerJob> {
         let per = |ticks: u64| ticks_ms(ticks) / jobs.max(1) as f64;
         let own = |m: &[Mark]| spent(m).map(|(own, _)| per(own));
-        let (workers, children) = spent(&self.workers)?;
-        Ok(CpuPerJob {
-            machine_ms: per(machine_busy_ticks()?.saturating_sub(self.machine)),
-            etcd_ms: own(&self.etcd)?,
-            leader_ms: own(&self.leader)?,
-            followers_ms: own(&self.followers)?,
-            workers_ms: per(workers),
-            guards_and_jobs_ms: per(children),
-            bench_ms: own(&self.bench)?,
-        })
+        let figures = || -> anyhow::Result<CpuPerJob> {
+            let (workers, children) = spent(&self.workers)?;
+            let (busy, steal) = machine_ticks()?;
+            Ok(CpuPerJob {
+                machine_ms: per(busy.saturating_sub(self.machine.0)),
+                steal_ms: per(steal.saturating_sub(self.machine.1)),
+                etcd_ms: own(&self.etcd)?,
+                leader_ms: own(&self.leader)?,
+                leader_moved: false,
+                followers_ms: own(&self.followers)?,
+                workers_ms: per(workers),
+                guards_and_jobs_ms: per(children),
+                bench_ms: own(&self.bench)?,
+            })
+        };
+        figures()
+            .inspect_err(|e| tracing::warn!(error = %e, "CPU per job left out"))
+            .ok()
     }
 }
 
@@ -107,11 +127,17 @@ impl CpuPerJob {
     /// One line of the report: the machine's figure, then each kind's.
     pub fn line(&self) -> String {
         format!(
-            "CPU per job {:.2} ms on the machine: etcd {:.2}, leader {:.2}, other coordinators {:.2}, \
-             workers {:.2}, guards and their jobs {:.2}, this benchmark {:.2}",
+            "CPU per job {:.2} ms on the machine (steal {:.2}): etcd {:.2}, leader {:.2}{}, other \
+             coordinators {:.2}, workers {:.2}, guards and their jobs {:.2}, this benchmark {:.2}",
             self.machine_ms,
+            self.steal_ms,
             self.etcd_ms,
             self.leader_ms,
+            if self.leader_moved {
+                " (leadership moved during the run)"
+            } else {
+                ""
+            },
             self.followers_ms,
             self.workers_ms,
             self.guards_and_jobs_ms,
@@ -155,6 +181,9 @@ mod tests {
             ..Default::default()
         }
         .line();
-        assert!(line.starts_with("CPU per job 3.50 ms on the machine: etcd 0.80,"));
+        assert!(
+            line.starts_with("CPU per job 3.50 ms on the machine (steal 0.00): etcd 0.80,"),
+            "{line}"
+        );
     }
 }

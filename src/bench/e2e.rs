@@ -38,8 +38,9 @@ pub struct EndToEnd {
     pub settings: String,
     /// The workers' guard (`small` or `legacy`).
     pub guard: String,
-    /// What each job cost each kind of process in CPU.
-    pub cpu: CpuPerJob,
+    /// What each job cost each kind of process in CPU (left out when a process could not be
+    /// read).
+    pub cpu: Option<CpuPerJob>,
 }
 
 /// Submitting clients.
@@ -131,7 +132,9 @@ pub async fn measure(
 
     let before = etcdstats::read(&c.etcd).await;
     let n = args.e2e_jobs;
-    let meter = Meter::start(&c, leader)?;
+    // The leader as the run begins (the one above may have lost its term meanwhile).
+    let leading = c.wait_leader(0, Duration::from_secs(60)).await?;
+    let meter = Meter::start(&c, leading.0);
     let started = Instant::now();
     let submitting = tokio::spawn({
         let client = client.clone();
@@ -191,7 +194,10 @@ pub async fn measure(
             }
         }
     }
-    let used = meter.per_job(n)?;
+    let mut used = meter.and_then(|m| m.per_job(n));
+    if let Some(u) = &mut used {
+        u.leader_moved = c.wait_leader(0, Duration::from_secs(10)).await.ok() != Some(leading);
+    }
     let _ = submitting.await;
     let cpu = super::usage::cpu_percent(
         super::usage::cpu_ticks(follower_pid)?.saturating_sub(ticks),

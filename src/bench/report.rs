@@ -307,7 +307,10 @@ impl Report {
                 e.etcd_writes_per_job,
                 e.etcd_ranges_per_job
             );
-            let _ = writeln!(o, "  {}", e.cpu.line());
+            // With the guards' runs, each run's line is printed with its rate below.
+            if let (Some(cpu), None) = (&e.cpu, &self.guards) {
+                let _ = writeln!(o, "  {}", cpu.line());
+            }
         }
         if let (Some(e), Some(g)) = (&self.e2e, &self.guards) {
             let _ = writeln!(
@@ -334,7 +337,9 @@ impl Report {
                     x.clean_per_sec / g.bare_spawns_per_sec.max(f64::MIN_POSITIVE),
                     x.settings
                 );
-                let _ = writeln!(o, "          {}", x.cpu.line());
+                if let Some(cpu) = &x.cpu {
+                    let _ = writeln!(o, "          {}", cpu.line());
+                }
             }
             for m in &g.memory {
                 let _ = writeln!(

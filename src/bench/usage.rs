@@ -58,9 +58,9 @@ pub fn cpu_ticks_split(pid: i32) -> anyhow::Result<(u64, u64)> {
     Ok((field(11)? + field(12)?, field(13)? + field(14)?))
 }
 
-/// Every core's busy time since boot (`/proc/stat`: user, nice, system, irq, softirq and
-/// steal; not idle or iowait), in clock ticks.
-pub fn machine_busy_ticks() -> anyhow::Result<u64> {
+/// Every core's busy time since boot (`/proc/stat`: user, nice, system, irq and softirq; not
+/// idle or iowait; guest time is inside user), and the hypervisor's steal, in clock ticks.
+pub fn machine_ticks() -> anyhow::Result<(u64, u64)> {
     let stat = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
     let line = stat
         .lines()
@@ -72,7 +72,7 @@ pub fn machine_busy_ticks() -> anyhow::Result<u64> {
         .map(|x| x.parse().unwrap_or(0))
         .collect();
     let at = |i: usize| f.get(i).copied().unwrap_or(0);
-    Ok(at(0) + at(1) + at(2) + at(5) + at(6) + at(7))
+    Ok((at(0) + at(1) + at(2) + at(5) + at(6), at(7)))
 }
 
 /// Milliseconds in `ticks` clock ticks.
@@ -104,6 +104,6 @@ mod tests {
         let pid = std::process::id() as i32;
         assert!(super::rss_kib(pid).unwrap() > 0);
         super::cpu_ticks(pid).unwrap();
-        assert!(super::machine_busy_ticks().unwrap() > 0);
+        assert!(super::machine_ticks().unwrap().0 > 0);
     }
 }

@@ -222,7 +222,7 @@ impl EtcdCluster {
             .collect()
     }
 
-    /// The process ids of the members running now.
+    /// The process ids of the members started and not stopped or killed since.
     pub fn pids(&self) -> Vec<i32> {
         self.members
             .iter()
