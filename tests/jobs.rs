@@ -254,7 +254,11 @@ async fn cancel_in_every_state_and_watch_sees_every_transition() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_followed_by_a_leader_kill_is_never_restarted() {
-    let mut c = Cluster::start(opts(&["--kill-grace", "30s"]));
+    // The job ignores SIGTERM, so the cancel ends it only with the SIGKILL after this grace:
+    // it is still being cancelled while the leadership moves.
+    const GRACE: Duration = Duration::from_secs(30);
+    let grace = format!("{}s", GRACE.as_secs());
+    let mut c = Cluster::start(opts(&["--kill-grace", &grace]));
     let (k, old) = c.leader_index().await;
     let f = (k + 1) % 3;
     c.submit(
@@ -276,8 +280,9 @@ async fn a_cancel_followed_by_a_leader_kill_is_never_restarted() {
     c.replicas[k].sigkill();
     let rest = c.others(k);
     c.wait_new_leader(&rest, old.term).await;
+    // Not before the grace is over: wait that long and then as long as any other job.
     let j = c
-        .wait_job(&rest, "doomed", LONG, "terminal", terminal)
+        .wait_job(&rest, "doomed", GRACE + LONG, "terminal", terminal)
         .await;
     assert_eq!(state(&j), JobState::Canceled);
     let runs = std::fs::read_to_string(c.job_dir("doomed").join("runs")).unwrap();
