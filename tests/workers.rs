@@ -14,6 +14,9 @@ use baton::exec::record::KilledBy;
 use support::*;
 
 const LONG: Duration = Duration::from_secs(60);
+/// A SIGTERMed coordinator's exit: past its own shutdown limits (10 s of grace, then 5 s for
+/// the API), with room for a loaded machine.
+const EXIT: Duration = Duration::from_secs(30);
 
 /// A job that notes each of its executions in `out/<id>` and runs until `out/release` exists.
 fn held(out: &Path) -> JobSpec {
@@ -77,7 +80,7 @@ async fn leader_sigkill_handover_and_resign_restart_none_of_twenty_jobs_on_worke
     c.replicas[k].restart().unwrap();
     // SIGTERM handover.
     c.replicas[k2].sigterm();
-    assert!(c.replicas[k2].wait_exit(Duration::from_secs(20)).is_some());
+    assert!(c.replicas[k2].wait_exit(EXIT).is_some());
     let (_, third) = c.wait_new_leader(&c.others(k2), second.term).await;
     c.replicas[k2].restart().unwrap();
     // `leader resign`.
@@ -108,7 +111,7 @@ async fn a_rolling_restart_of_three_coordinators_restarts_nothing() {
     let ids = submit_held(&c, &out, 6).await;
     for i in 0..3 {
         c.replicas[i].sigterm();
-        assert!(c.replicas[i].wait_exit(Duration::from_secs(20)).is_some());
+        assert!(c.replicas[i].wait_exit(EXIT).is_some());
         c.replicas[i].restart().unwrap();
         c.leader_index().await;
     }
